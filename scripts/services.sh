@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Makes sure the services the service-backed tests use are up: PostgreSQL on
+# 127.0.0.1:5432 (database `test`, user `postgres`) and Redis on
+# 127.0.0.1:6379. Starts each one that is installed but down. Never fails by
+# itself: a service that cannot be started makes its tests skip loudly (or
+# fail, with CI=true).
+set -u
+
+pg_up() { pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; }
+redis_up() { redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG; }
+
+if ! pg_up; then
+  if command -v pg_ctlcluster >/dev/null 2>&1 && [ -d /etc/postgresql ]; then
+    echo "services: starting PostgreSQL"
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+    for _ in $(seq 1 30); do pg_up && break; sleep 0.5; done
+  fi
+fi
+if pg_up; then
+  psql -h 127.0.0.1 -U postgres -tc "SELECT 1 FROM pg_database WHERE datname='test'" 2>/dev/null | grep -q 1 \
+    || psql -h 127.0.0.1 -U postgres -c "CREATE DATABASE test" >/dev/null 2>&1 || true
+  echo "services: PostgreSQL up"
+else
+  echo "services: PostgreSQL NOT available on 127.0.0.1:5432"
+fi
+
+if ! redis_up; then
+  if command -v redis-server >/dev/null 2>&1; then
+    echo "services: starting Redis"
+    redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null || true
+    for _ in $(seq 1 30); do redis_up && break; sleep 0.2; done
+  fi
+fi
+if redis_up; then
+  echo "services: Redis up"
+else
+  echo "services: Redis NOT available on 127.0.0.1:6379"
+fi
+exit 0

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command (README: "Run the tests"). Starts PostgreSQL and Redis
+# when they are installed but down, then runs every test. Without them the
+# embedded-store tests still run and each service test prints
+# "SKIPPED (no Postgres|Redis): <test name>"; with CI=true a missing service
+# fails the run instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/services.sh
+exec cargo test --all-targets "$@"

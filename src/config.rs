@@ -1,0 +1,955 @@
+//! Configuration: the TOML file of SPEC section 3, the `IDEMGATE_*`
+//! environment overrides, and validation.
+//!
+//! Parsing happens in two phases. Serde rejects what cannot be read at all
+//! (syntax, unknown keys, wrong types) and stops at the first such error,
+//! naming the key and the line. Everything that can be read is then checked
+//! by [`Config::validate`], which collects *every* problem — bad durations,
+//! unknown upstreams, duplicate names, overlapping routes, bad URLs — so an
+//! operator fixes a file in one round instead of one error per restart.
+//! Durations are therefore read as strings ([`HumanDuration`]) and only
+//! judged in the second phase.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+/// Where `serve`, `demo` and `check-config` look when `--config` is absent.
+pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
+
+const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
+const DEFAULT_MAX_BODY_BYTES: u64 = 1024 * 1024;
+const DEFAULT_HEADER_READ_TIMEOUT: &str = "10s";
+const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+const DEFAULT_SHUTDOWN_GRACE: &str = "30s";
+
+/// The embedded store every fresh checkout runs on.
+pub const DEFAULT_DATABASE_URL: &str = "sqlite://data/idemgate.db";
+const DEFAULT_RETENTION: &str = "24h";
+const DEFAULT_LEASE: &str = "30s";
+const DEFAULT_STORE_TIMEOUT: &str = "2s";
+const DEFAULT_SWEEP_INTERVAL: &str = "1m";
+const DEFAULT_FAST_LAYER_BUDGET: &str = "100ms";
+const DEFAULT_MAX_STORED_BODY_BYTES: usize = 1024 * 1024;
+const DEFAULT_POOL_SIZE: u32 = 16;
+
+const DEFAULT_TOKEN_TTL: &str = "10m";
+const DEFAULT_IDENTITY_HEADER: &str = "Authorization";
+const DEFAULT_UPSTREAM_TIMEOUT: &str = "10s";
+
+/// Paths the gateway answers itself on the public listener; routes may not
+/// claim them.
+pub const RESERVED_PATHS: &[&str] = &["/token"];
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: ServerConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    #[serde(default)]
+    pub tokens: TokenConfig,
+    #[serde(default)]
+    pub identity: IdentityConfig,
+    #[serde(default)]
+    pub upstreams: Vec<UpstreamConfig>,
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+/// `[server]`: listeners and connection hardening.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: String,
+    /// Larger request bodies are answered 413 and nothing is forwarded.
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: u64,
+    /// A client must finish sending its request head within this time.
+    #[serde(default = "default_header_read_timeout")]
+    pub header_read_timeout: HumanDuration,
+    /// Connections beyond this wait in the kernel's accept queue.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How long in-flight requests may take to finish after SIGTERM.
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace: HumanDuration,
+}
+
+/// `[store]`: the durable record and its fast layer.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    #[serde(default = "default_database_url")]
+    pub database_url: String,
+    #[serde(default)]
+    pub redis_url: String,
+    #[serde(default = "default_retention")]
+    pub retention: HumanDuration,
+    #[serde(default = "default_lease")]
+    pub lease: HumanDuration,
+    #[serde(default = "default_store_timeout")]
+    pub timeout: HumanDuration,
+    #[serde(default = "default_sweep_interval")]
+    pub sweep_interval: HumanDuration,
+    #[serde(default)]
+    pub archive: bool,
+    /// A fast-layer answer slower than this sends the request down the SQL
+    /// path (and is counted in `idemgate_store_fallback_total`).
+    #[serde(default = "default_fast_layer_budget")]
+    pub fast_layer_budget: HumanDuration,
+    /// Response bodies larger than this are recorded without their body.
+    #[serde(default = "default_max_stored_body_bytes")]
+    pub max_stored_body_bytes: usize,
+    /// Connections in the SQL pool.
+    #[serde(default = "default_pool_size")]
+    pub pool_size: u32,
+}
+
+/// `[tokens]`: one-time tokens issued by `/token`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    #[serde(default = "default_token_ttl")]
+    pub ttl: HumanDuration,
+    #[serde(default)]
+    pub secret: String,
+}
+
+/// `[identity]`: which request header identifies a client.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentityConfig {
+    #[serde(default = "default_identity_header")]
+    pub header: String,
+}
+
+/// `[[upstreams]]`: a service requests are forwarded to.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    pub name: String,
+    pub url: String,
+    #[serde(default = "default_upstream_timeout")]
+    pub timeout: HumanDuration,
+}
+
+/// `[[routes]]`: which requests go where, under which policy.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub name: String,
+    /// Empty means every method.
+    #[serde(default)]
+    pub methods: Vec<String>,
+    pub path: Option<String>,
+    pub path_prefix: Option<String>,
+    pub upstream: String,
+    #[serde(default)]
+    pub kind: RouteKind,
+    /// Absent means `none` on sync routes; callback routes must leave it out.
+    pub idempotency: Option<Idempotency>,
+    #[serde(default = "default_require_key")]
+    pub require_key: bool,
+    #[serde(default)]
+    pub on_concurrent: OnConcurrent,
+    #[serde(default)]
+    pub business_key: Vec<String>,
+}
+
+/// `kind`: how a route's callers behave.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RouteKind {
+    #[default]
+    Sync,
+    Callback,
+}
+
+/// `idempotency`: the policy of a sync route.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Idempotency {
+    #[default]
+    None,
+    Key,
+    Token,
+}
+
+/// `on_concurrent`: what a duplicate gets while the first is in flight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnConcurrent {
+    #[default]
+    Reject,
+    Wait,
+}
+
+impl fmt::Display for RouteKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RouteKind::Sync => "sync",
+            RouteKind::Callback => "callback",
+        })
+    }
+}
+
+impl fmt::Display for Idempotency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Idempotency::None => "none",
+            Idempotency::Key => "key",
+            Idempotency::Token => "token",
+        })
+    }
+}
+
+// === impl HumanDuration ===
+
+/// A duration written the human way (`500ms`, `30s`, `10m`, `24h`).
+///
+/// Deserializing never fails on a bad value: the raw text is kept so that
+/// [`Config::validate`] can report every bad duration at once.
+#[derive(Debug, Clone)]
+pub struct HumanDuration {
+    raw: String,
+    parsed: Option<Duration>,
+}
+
+impl HumanDuration {
+    fn from_text(raw: &str) -> Self {
+        let parsed = humantime::parse_duration(raw.trim()).ok();
+        HumanDuration {
+            raw: raw.to_owned(),
+            parsed,
+        }
+    }
+
+    /// The value; zero when invalid (validation has refused such a config).
+    pub fn get(&self) -> Duration {
+        self.parsed.unwrap_or_default()
+    }
+
+    fn problem(&self) -> Option<String> {
+        match self.parsed {
+            None => Some(format!(
+                "{:?} is not a duration (write e.g. \"500ms\", \"30s\", \"10m\", \"24h\")",
+                self.raw
+            )),
+            Some(d) if d.is_zero() => Some(format!("{:?} must be longer than zero", self.raw)),
+            Some(_) => None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(d)?;
+        Ok(HumanDuration::from_text(&raw))
+    }
+}
+
+impl From<&str> for HumanDuration {
+    fn from(raw: &str) -> Self {
+        HumanDuration::from_text(raw)
+    }
+}
+
+// === defaults ===
+
+fn default_listen() -> String {
+    DEFAULT_LISTEN.into()
+}
+fn default_admin_listen() -> String {
+    DEFAULT_ADMIN_LISTEN.into()
+}
+fn default_max_body_bytes() -> u64 {
+    DEFAULT_MAX_BODY_BYTES
+}
+fn default_header_read_timeout() -> HumanDuration {
+    DEFAULT_HEADER_READ_TIMEOUT.into()
+}
+fn default_max_connections() -> usize {
+    DEFAULT_MAX_CONNECTIONS
+}
+fn default_shutdown_grace() -> HumanDuration {
+    DEFAULT_SHUTDOWN_GRACE.into()
+}
+fn default_database_url() -> String {
+    DEFAULT_DATABASE_URL.into()
+}
+fn default_retention() -> HumanDuration {
+    DEFAULT_RETENTION.into()
+}
+fn default_lease() -> HumanDuration {
+    DEFAULT_LEASE.into()
+}
+fn default_store_timeout() -> HumanDuration {
+    DEFAULT_STORE_TIMEOUT.into()
+}
+fn default_sweep_interval() -> HumanDuration {
+    DEFAULT_SWEEP_INTERVAL.into()
+}
+fn default_fast_layer_budget() -> HumanDuration {
+    DEFAULT_FAST_LAYER_BUDGET.into()
+}
+fn default_max_stored_body_bytes() -> usize {
+    DEFAULT_MAX_STORED_BODY_BYTES
+}
+fn default_pool_size() -> u32 {
+    DEFAULT_POOL_SIZE
+}
+fn default_token_ttl() -> HumanDuration {
+    DEFAULT_TOKEN_TTL.into()
+}
+fn default_identity_header() -> String {
+    DEFAULT_IDENTITY_HEADER.into()
+}
+fn default_upstream_timeout() -> HumanDuration {
+    DEFAULT_UPSTREAM_TIMEOUT.into()
+}
+fn default_require_key() -> bool {
+    true
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: default_listen(),
+            admin_listen: default_admin_listen(),
+            max_body_bytes: default_max_body_bytes(),
+            header_read_timeout: default_header_read_timeout(),
+            max_connections: default_max_connections(),
+            shutdown_grace: default_shutdown_grace(),
+        }
+    }
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            database_url: default_database_url(),
+            redis_url: String::new(),
+            retention: default_retention(),
+            lease: default_lease(),
+            timeout: default_store_timeout(),
+            sweep_interval: default_sweep_interval(),
+            archive: false,
+            fast_layer_budget: default_fast_layer_budget(),
+            max_stored_body_bytes: default_max_stored_body_bytes(),
+            pool_size: default_pool_size(),
+        }
+    }
+}
+
+impl Default for TokenConfig {
+    fn default() -> Self {
+        TokenConfig {
+            ttl: default_token_ttl(),
+            secret: String::new(),
+        }
+    }
+}
+
+impl Default for IdentityConfig {
+    fn default() -> Self {
+        IdentityConfig {
+            header: default_identity_header(),
+        }
+    }
+}
+
+// === errors ===
+
+/// One thing wrong with a config file: the key and the reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub key: String,
+    pub reason: String,
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{origin}: cannot read: {source}")]
+    Read {
+        origin: String,
+        source: std::io::Error,
+    },
+    #[error("{origin}: {message}")]
+    Parse { origin: String, message: String },
+    #[error("{origin}: {} problem(s):\n{}", problems.len(), render_problems(problems))]
+    Invalid {
+        origin: String,
+        problems: Vec<Problem>,
+    },
+}
+
+fn render_problems(problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(|p| format!("  - {}: {}", p.key, p.reason))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl ConfigError {
+    /// The collected problems (empty for read and parse errors).
+    pub fn problems(&self) -> &[Problem] {
+        match self {
+            ConfigError::Invalid { problems, .. } => problems,
+            _ => &[],
+        }
+    }
+}
+
+// === impl Config ===
+
+impl Config {
+    /// Reads, overrides from the environment, and validates.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            origin: origin.clone(),
+            source,
+        })?;
+        let mut config = Config::parse(&text, &origin)?;
+        config.apply_env(|name| std::env::var(name).ok());
+        config.validate(&origin)?;
+        Ok(config)
+    }
+
+    /// Parses TOML text without validating it.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            origin: origin.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Applies the `IDEMGATE_*` overrides; `lookup` reads one variable.
+    pub fn apply_env(&mut self, lookup: impl Fn(&str) -> Option<String>) {
+        if let Some(v) = lookup("IDEMGATE_LISTEN") {
+            self.server.listen = v;
+        }
+        if let Some(v) = lookup("IDEMGATE_ADMIN_LISTEN") {
+            self.server.admin_listen = v;
+        }
+        if let Some(v) = lookup("IDEMGATE_DATABASE_URL") {
+            self.store.database_url = v;
+        }
+        if let Some(v) = lookup("IDEMGATE_REDIS_URL") {
+            self.store.redis_url = v;
+        }
+        if let Some(v) = lookup("IDEMGATE_TOKEN_SECRET") {
+            self.tokens.secret = v;
+        }
+    }
+
+    /// Checks everything serde could not, collecting every problem.
+    pub fn validate(&self, origin: &str) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        let mut add = |key: String, reason: String| problems.push(Problem { key, reason });
+
+        for (key, value) in [
+            ("server.listen", &self.server.listen),
+            ("server.admin_listen", &self.server.admin_listen),
+        ] {
+            if value.parse::<SocketAddr>().is_err() {
+                add(
+                    key.into(),
+                    format!("{value:?} is not an address like \"127.0.0.1:8080\""),
+                );
+            }
+        }
+        if self.server.listen == self.server.admin_listen && !self.server.listen.ends_with(":0") {
+            add(
+                "server.admin_listen".into(),
+                "must differ from server.listen: the admin endpoints must not be public".into(),
+            );
+        }
+        if self.server.max_body_bytes == 0 {
+            add("server.max_body_bytes".into(), "must be above zero".into());
+        }
+        if self.server.max_connections == 0 {
+            add("server.max_connections".into(), "must be above zero".into());
+        }
+        for (key, d) in [
+            (
+                "server.header_read_timeout",
+                &self.server.header_read_timeout,
+            ),
+            ("server.shutdown_grace", &self.server.shutdown_grace),
+            ("store.retention", &self.store.retention),
+            ("store.lease", &self.store.lease),
+            ("store.timeout", &self.store.timeout),
+            ("store.sweep_interval", &self.store.sweep_interval),
+            ("store.fast_layer_budget", &self.store.fast_layer_budget),
+            ("tokens.ttl", &self.tokens.ttl),
+        ] {
+            if let Some(reason) = d.problem() {
+                add(key.into(), reason);
+            }
+        }
+        let db = &self.store.database_url;
+        if !(db.starts_with("sqlite:")
+            || db.starts_with("postgres://")
+            || db.starts_with("postgresql://"))
+        {
+            add(
+                "store.database_url".into(),
+                format!("{db:?} must start with sqlite:, postgres:// or postgresql://"),
+            );
+        }
+        let redis = &self.store.redis_url;
+        let redis_ok = ["redis://", "rediss://", "redis+cluster://"]
+            .iter()
+            .any(|scheme| redis.starts_with(scheme));
+        if !redis.is_empty() && !redis_ok {
+            add(
+                "store.redis_url".into(),
+                format!(
+                    "{redis:?} must be empty (in-process fast layer), redis://… or redis+cluster://…"
+                ),
+            );
+        }
+        if self.store.pool_size == 0 {
+            add("store.pool_size".into(), "must be above zero".into());
+        }
+        if self.identity.header.parse::<http::HeaderName>().is_err() {
+            add(
+                "identity.header".into(),
+                format!("{:?} is not a header name", self.identity.header),
+            );
+        }
+
+        let mut upstream_names = BTreeSet::new();
+        for (i, u) in self.upstreams.iter().enumerate() {
+            let key = |field: &str| format!("upstreams[{i}].{field}");
+            if u.name.is_empty() {
+                add(key("name"), "must not be empty".into());
+            } else if !upstream_names.insert(u.name.as_str()) {
+                add(key("name"), format!("duplicate upstream name {:?}", u.name));
+            }
+            if let Err(reason) = check_upstream_url(&u.url) {
+                add(key("url"), reason);
+            }
+            if let Some(reason) = u.timeout.problem() {
+                add(key("timeout"), reason);
+            }
+        }
+
+        let mut route_names = BTreeSet::new();
+        let mut matchers: Vec<(usize, RouteMatcher)> = Vec::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let key = |field: &str| format!("routes[{i}].{field}");
+            if r.name.is_empty() {
+                add(key("name"), "must not be empty".into());
+            } else if !route_names.insert(r.name.as_str()) {
+                add(key("name"), format!("duplicate route name {:?}", r.name));
+            }
+            if !upstream_names.contains(r.upstream.as_str()) {
+                let known: Vec<_> = upstream_names.iter().copied().collect();
+                add(
+                    key("upstream"),
+                    format!(
+                        "unknown upstream {:?} (known: {})",
+                        r.upstream,
+                        if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                );
+            }
+            for m in &r.methods {
+                if m.parse::<http::Method>().is_err() || m.chars().any(|c| c.is_ascii_lowercase()) {
+                    add(
+                        key("methods"),
+                        format!("{m:?} is not an upper-case HTTP method"),
+                    );
+                }
+            }
+            match RouteMatcher::from_route(r) {
+                Ok(m) => {
+                    if let Some(reserved) = m.reserved_overlap() {
+                        add(
+                            key("path"),
+                            format!(
+                                "{reserved} is answered by the gateway itself and cannot be routed"
+                            ),
+                        );
+                    }
+                    matchers.push((i, m));
+                }
+                Err(reason) => add(key("path"), reason),
+            }
+            self.validate_policy(r, &key, &mut add);
+        }
+        for (a, (i, m)) in matchers.iter().enumerate() {
+            for (j, other) in matchers.iter().skip(a + 1) {
+                if m.overlaps(other) {
+                    add(
+                        format!("routes[{j}]"),
+                        format!(
+                            "route {:?} overlaps route {:?} ({} and {} share requests); routes must not overlap",
+                            self.routes[*j].name,
+                            self.routes[*i].name,
+                            other.describe(),
+                            m.describe()
+                        ),
+                    );
+                }
+            }
+        }
+
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid {
+                origin: origin.to_owned(),
+                problems,
+            })
+        }
+    }
+
+    fn validate_policy(
+        &self,
+        r: &RouteConfig,
+        key: &dyn Fn(&str) -> String,
+        add: &mut dyn FnMut(String, String),
+    ) {
+        match r.kind {
+            RouteKind::Sync => {
+                if !r.business_key.is_empty() {
+                    add(
+                        key("business_key"),
+                        "only callback routes take a business key (set kind = \"callback\")".into(),
+                    );
+                }
+            }
+            RouteKind::Callback => {
+                match r.idempotency {
+                    Some(Idempotency::Token) => add(
+                        key("idempotency"),
+                        format!(
+                            "route {:?} is a callback route and cannot use idempotency = \"token\": \
+                             asynchronous callers (payment providers, message queues, jobs) never carry \
+                             a client token, so a token check would either reject every legitimate \
+                             redelivery or protect nothing; dedupe on the business key instead \
+                             (business_key = [\"json:/trade_no\"])",
+                            r.name
+                        ),
+                    ),
+                    Some(Idempotency::Key) => add(
+                        key("idempotency"),
+                        "callback routes dedupe on their business_key; to use the caller's \
+                         Idempotency-Key header, write business_key = [\"header:Idempotency-Key\"]"
+                            .into(),
+                    ),
+                    Some(Idempotency::None) | None => {}
+                }
+                if r.business_key.is_empty() {
+                    add(
+                        key("business_key"),
+                        "a callback route needs at least one source (json:/pointer, header:Name or query:name)"
+                            .into(),
+                    );
+                }
+                for source in &r.business_key {
+                    if let Err(reason) = crate::callback::KeySource::parse(source) {
+                        add(key("business_key"), reason);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The upstream a route names (validation guarantees it exists).
+    pub fn upstream(&self, name: &str) -> Option<&UpstreamConfig> {
+        self.upstreams.iter().find(|u| u.name == name)
+    }
+
+    /// Upstream names by index, for building clients once per upstream.
+    pub fn upstream_index(&self) -> HashMap<&str, usize> {
+        self.upstreams
+            .iter()
+            .enumerate()
+            .map(|(i, u)| (u.name.as_str(), i))
+            .collect()
+    }
+}
+
+impl RouteConfig {
+    /// The policy this route runs under.
+    pub fn idempotency(&self) -> Idempotency {
+        self.idempotency.unwrap_or_default()
+    }
+}
+
+fn check_upstream_url(raw: &str) -> Result<(), String> {
+    let url = url::Url::parse(raw).map_err(|e| format!("{raw:?} is not a URL: {e}"))?;
+    if url.scheme() != "http" {
+        return Err(format!(
+            "{raw:?}: only http:// upstreams are supported (terminate TLS in front of the upstream)"
+        ));
+    }
+    if url.host_str().is_none() {
+        return Err(format!("{raw:?} has no host"));
+    }
+    if !(url.path().is_empty() || url.path() == "/") || url.query().is_some() {
+        return Err(format!(
+            "{raw:?}: an upstream URL is scheme, host and port only; request paths are forwarded unchanged"
+        ));
+    }
+    Ok(())
+}
+
+// === impl RouteMatcher ===
+
+/// Which requests a route takes: a method set and an exact path or prefix.
+#[derive(Debug, Clone)]
+pub struct RouteMatcher {
+    /// Empty means every method.
+    pub methods: Vec<http::Method>,
+    pub path: PathMatch,
+}
+
+/// The path half of a [`RouteMatcher`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    Exact(String),
+    Prefix(String),
+}
+
+impl RouteMatcher {
+    /// Builds the matcher of a route, or says why its paths are wrong.
+    pub fn from_route(r: &RouteConfig) -> Result<RouteMatcher, String> {
+        let path = match (&r.path, &r.path_prefix) {
+            (Some(p), None) => PathMatch::Exact(p.clone()),
+            (None, Some(p)) => PathMatch::Prefix(p.clone()),
+            (Some(_), Some(_)) => {
+                return Err("set either path or path_prefix, not both".into());
+            }
+            (None, None) => return Err("set path (exact) or path_prefix".into()),
+        };
+        let text = match &path {
+            PathMatch::Exact(p) | PathMatch::Prefix(p) => p,
+        };
+        if !text.starts_with('/') || text.contains(['?', '#', ' ']) {
+            return Err(format!(
+                "{text:?} must start with '/' and hold no query, fragment or space"
+            ));
+        }
+        let methods = r
+            .methods
+            .iter()
+            .filter_map(|m| m.parse::<http::Method>().ok())
+            .collect();
+        Ok(RouteMatcher { methods, path })
+    }
+
+    /// Whether this route takes a request for `path`.
+    pub fn matches_path(&self, path: &str) -> bool {
+        match &self.path {
+            PathMatch::Exact(p) => p == path,
+            PathMatch::Prefix(p) => path.starts_with(p.as_str()),
+        }
+    }
+
+    /// Whether this route takes `method`.
+    pub fn matches_method(&self, method: &http::Method) -> bool {
+        self.methods.is_empty() || self.methods.contains(method)
+    }
+
+    fn overlaps(&self, other: &RouteMatcher) -> bool {
+        let methods_meet = self.methods.is_empty()
+            || other.methods.is_empty()
+            || self.methods.iter().any(|m| other.methods.contains(m));
+        let paths_meet = match (&self.path, &other.path) {
+            (PathMatch::Exact(a), PathMatch::Exact(b)) => a == b,
+            (PathMatch::Exact(e), PathMatch::Prefix(p))
+            | (PathMatch::Prefix(p), PathMatch::Exact(e)) => e.starts_with(p.as_str()),
+            (PathMatch::Prefix(a), PathMatch::Prefix(b)) => {
+                a.starts_with(b.as_str()) || b.starts_with(a.as_str())
+            }
+        };
+        methods_meet && paths_meet
+    }
+
+    /// A route may not be a reserved path or live under one. A shorter
+    /// prefix (`/`) may cover it: the gateway answers the reserved path
+    /// first, and the route takes everything else.
+    fn reserved_overlap(&self) -> Option<&'static str> {
+        RESERVED_PATHS
+            .iter()
+            .copied()
+            .find(|reserved| match &self.path {
+                PathMatch::Exact(p) | PathMatch::Prefix(p) => p.starts_with(reserved),
+            })
+    }
+
+    /// `POST /orders` or `* /orders/…`, for tables and messages.
+    pub fn describe(&self) -> String {
+        let methods = if self.methods.is_empty() {
+            "*".to_owned()
+        } else {
+            self.methods
+                .iter()
+                .map(|m| m.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match &self.path {
+            PathMatch::Exact(p) => format!("{methods} {p}"),
+            PathMatch::Prefix(p) => format!("{methods} {p}…"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+        [[upstreams]]
+        name = "orders"
+        url = "http://127.0.0.1:9001"
+
+        [[routes]]
+        name = "all"
+        path_prefix = "/"
+        upstream = "orders"
+    "#;
+
+    #[test]
+    fn minimal_config_is_valid_and_defaulted() {
+        let c = Config::parse(MINIMAL, "t").unwrap();
+        c.validate("t").unwrap();
+        assert_eq!(c.server.listen, DEFAULT_LISTEN);
+        assert_eq!(c.store.retention.get(), Duration::from_secs(86_400));
+        assert_eq!(c.routes[0].idempotency(), Idempotency::None);
+    }
+
+    #[test]
+    fn unknown_key_names_the_key() {
+        let err = Config::parse("[server]\nlisten_addr = \"x\"\n", "t").unwrap_err();
+        assert!(err.to_string().contains("listen_addr"), "{err}");
+    }
+
+    #[test]
+    fn env_overrides_apply() {
+        let mut c = Config::parse(MINIMAL, "t").unwrap();
+        c.apply_env(|k| match k {
+            "IDEMGATE_LISTEN" => Some("127.0.0.1:1".into()),
+            "IDEMGATE_DATABASE_URL" => Some("postgres://x/y".into()),
+            "IDEMGATE_REDIS_URL" => Some("redis://127.0.0.1/".into()),
+            "IDEMGATE_TOKEN_SECRET" => Some("s".into()),
+            _ => None,
+        });
+        assert_eq!(c.server.listen, "127.0.0.1:1");
+        assert_eq!(c.store.database_url, "postgres://x/y");
+        assert_eq!(c.store.redis_url, "redis://127.0.0.1/");
+        assert_eq!(c.tokens.secret, "s");
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let text = r#"
+            [store]
+            retention = "forever"
+            lease = "0s"
+
+            [[upstreams]]
+            name = "orders"
+            url = "https://orders.internal"
+
+            [[upstreams]]
+            name = "orders"
+            url = "http://127.0.0.1:9001/api"
+
+            [[routes]]
+            name = "a"
+            path = "/orders"
+            upstream = "nowhere"
+
+            [[routes]]
+            name = "a"
+            path_prefix = "/ord"
+            upstream = "orders"
+
+            [[routes]]
+            name = "cb"
+            kind = "callback"
+            idempotency = "token"
+            path = "/callbacks/pay"
+            upstream = "orders"
+            business_key = ["json:/trade_no"]
+        "#;
+        let c = Config::parse(text, "t").unwrap();
+        let err = c.validate("t").unwrap_err();
+        let keys: Vec<_> = err.problems().iter().map(|p| p.key.as_str()).collect();
+        for expected in [
+            "store.retention",
+            "store.lease",
+            "upstreams[0].url",
+            "upstreams[1].name",
+            "upstreams[1].url",
+            "routes[0].upstream",
+            "routes[1].name",
+            "routes[1]",
+            "routes[2].idempotency",
+        ] {
+            assert!(keys.contains(&expected), "missing {expected} in {err}");
+        }
+        let text = err.to_string();
+        assert!(text.contains("overlaps"), "{text}");
+        assert!(text.contains("never carry"), "{text}");
+    }
+
+    #[test]
+    fn disjoint_methods_do_not_overlap() {
+        let text = r#"
+            [[upstreams]]
+            name = "o"
+            url = "http://127.0.0.1:9001"
+            [[routes]]
+            name = "create"
+            methods = ["POST"]
+            path = "/orders"
+            upstream = "o"
+            [[routes]]
+            name = "read"
+            methods = ["GET"]
+            path_prefix = "/orders"
+            upstream = "o"
+        "#;
+        Config::parse(text, "t").unwrap().validate("t").unwrap();
+    }
+
+    #[test]
+    fn reserved_token_path_cannot_be_routed() {
+        let text = r#"
+            [[upstreams]]
+            name = "o"
+            url = "http://127.0.0.1:9001"
+            [[routes]]
+            name = "all"
+            path = "/token"
+            upstream = "o"
+        "#;
+        let err = Config::parse(text, "t").unwrap().validate("t").unwrap_err();
+        assert!(err.to_string().contains("/token"), "{err}");
+    }
+}

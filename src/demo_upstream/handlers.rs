@@ -1,0 +1,285 @@
+//! The demo upstream's HTTP endpoints.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use super::faults::{DropConnection, DropPoint, FaultPlan};
+use super::state::{DemoState, Transition};
+
+type AppState = State<Arc<DemoState>>;
+
+/// JSON body without insisting on `Content-Type`: payment providers and
+/// hand-typed `curl` commands do not always send it.
+struct Lenient<T>(T);
+
+impl<T: serde::de::DeserializeOwned, S: Send + Sync> axum::extract::FromRequest<S> for Lenient<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        serde_json::from_slice(&bytes).map(Lenient).map_err(|e| {
+            (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": e.to_string()})),
+            )
+                .into_response()
+        })
+    }
+}
+
+/// Every endpoint; business endpoints go through the fault switches.
+pub(super) fn router(state: Arc<DemoState>) -> axum::Router {
+    let business = axum::Router::new()
+        .route("/orders", post(create_order))
+        .route("/orders/{id}", get(get_order))
+        .route("/coupons/deduct", post(deduct_coupon))
+        .route("/callbacks/payment", post(pay_notify))
+        .route("/actions/{name}", post(action).put(action))
+        .route("/echo", any(echo))
+        .route("/echo/{*rest}", any(echo))
+        .route("/stream", get(stream))
+        .layer(middleware::from_fn_with_state(state.clone(), apply_faults));
+    axum::Router::new()
+        .merge(business)
+        .route("/stats", get(stats))
+        .route("/reset", post(reset))
+        .route("/faults", post(arm_faults).delete(clear_faults))
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .with_state(state)
+}
+
+async fn apply_faults(State(state): AppState, req: Request, next: Next) -> Response {
+    state.count_request();
+    let armed = state
+        .faults
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    let faults = armed.with_headers(req.headers());
+    if let Some(delay) = faults.delay {
+        tokio::time::sleep(delay).await;
+    }
+    if let Some(status) = faults.fail_status {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        return (
+            status,
+            Json(json!({"error": "demo fault: failing on purpose"})),
+        )
+            .into_response();
+    }
+    let mut response = match faults.drop {
+        Some(DropPoint::Before) => Response::new(Body::empty()),
+        _ => next.run(req).await,
+    };
+    if faults.drop.is_some() {
+        response.extensions_mut().insert(DropConnection);
+    }
+    response
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Option<&str> {
+    headers.get("idempotency-key").and_then(|v| v.to_str().ok())
+}
+
+#[derive(Deserialize)]
+struct NewOrder {
+    #[serde(default = "default_item")]
+    item: String,
+    #[serde(default)]
+    amount: i64,
+    coupon: Option<String>,
+}
+
+fn default_item() -> String {
+    "demo-item".into()
+}
+
+async fn create_order(
+    State(state): AppState,
+    headers: HeaderMap,
+    Lenient(order): Lenient<NewOrder>,
+) -> Response {
+    let key = idempotency_key(&headers);
+    match state.create_order(key, order.item, order.amount, order.coupon) {
+        Transition::Done(o) => (
+            StatusCode::CREATED,
+            Json(json!({"order": o, "repeat": false})),
+        ),
+        Transition::AlreadyDone(o) => (
+            StatusCode::CREATED,
+            Json(json!({"order": o, "repeat": true})),
+        ),
+        Transition::Refused(why) => (StatusCode::CONFLICT, Json(json!({"error": why}))),
+        Transition::Unknown => (StatusCode::NOT_FOUND, Json(json!({"error": "unknown"}))),
+    }
+    .into_response()
+}
+
+async fn get_order(State(state): AppState, Path(id): Path<String>) -> Response {
+    match state.order(&id) {
+        Some(o) => Json(json!({"order": o})).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "unknown order"})),
+        )
+            .into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+struct Deduct {
+    coupon: String,
+    order_id: String,
+}
+
+async fn deduct_coupon(State(state): AppState, Lenient(d): Lenient<Deduct>) -> Response {
+    match state.deduct_coupon(&d.coupon, &d.order_id) {
+        Transition::Done(s) => Json(json!({"coupon": d.coupon, "status": s, "repeat": false})),
+        Transition::AlreadyDone(s) => {
+            Json(json!({"coupon": d.coupon, "status": s, "repeat": true}))
+        }
+        Transition::Refused(why) => {
+            return (StatusCode::CONFLICT, Json(json!({"error": why}))).into_response();
+        }
+        Transition::Unknown => {
+            return (StatusCode::NOT_FOUND, Json(json!({"error": "unknown"}))).into_response();
+        }
+    }
+    .into_response()
+}
+
+#[derive(Deserialize)]
+struct PayNotify {
+    trade_no: String,
+    order_id: String,
+}
+
+async fn pay_notify(State(state): AppState, Lenient(n): Lenient<PayNotify>) -> Response {
+    match state.pay(&n.order_id) {
+        Transition::Done(o) => {
+            Json(json!({"result": "success", "trade_no": n.trade_no, "order": o, "repeat": false}))
+                .into_response()
+        }
+        Transition::AlreadyDone(o) => {
+            Json(json!({"result": "success", "trade_no": n.trade_no, "order": o, "repeat": true}))
+                .into_response()
+        }
+        _ => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "unknown order"})),
+        )
+            .into_response(),
+    }
+}
+
+/// Not idempotent on purpose: every call is an execution.
+async fn action(
+    State(state): AppState,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let key = idempotency_key(&headers).unwrap_or("-").to_owned();
+    let execution = state.execute(&name, &key);
+    let body = json!({
+        "action": name,
+        "key": key,
+        "execution": execution,
+        "execution_id": uuid::Uuid::now_v7().to_string(),
+        "body_bytes": body.len(),
+    });
+    (
+        StatusCode::CREATED,
+        [("x-demo-execution", execution.to_string())],
+        Json(body),
+    )
+        .into_response()
+}
+
+/// Echoes what arrived, hashing the body as it streams in.
+async fn echo(method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
+    let mut hasher = Sha256::new();
+    let mut length = 0u64;
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(bytes) => {
+                length += bytes.len() as u64;
+                hasher.update(&bytes);
+            }
+            Err(e) => {
+                return (
+                    StatusCode::BAD_REQUEST,
+                    Json(json!({"error": e.to_string()})),
+                )
+                    .into_response();
+            }
+        }
+    }
+    let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, value) in &headers {
+        seen.entry(name.to_string())
+            .or_default()
+            .push(String::from_utf8_lossy(value.as_bytes()).into_owned());
+    }
+    Json(json!({
+        "method": method.as_str(),
+        "path": uri.path(),
+        "query": uri.query(),
+        "headers": seen,
+        "body_bytes": length,
+        "body_sha256": hex::encode(hasher.finalize()),
+    }))
+    .into_response()
+}
+
+#[derive(Deserialize)]
+struct StreamParams {
+    bytes: u64,
+}
+
+/// `GET /stream?bytes=N`: N bytes of `x`, in 64 KiB chunks, generated lazily.
+async fn stream(Query(p): Query<StreamParams>) -> Response {
+    const CHUNK: u64 = 64 * 1024;
+    let chunks = p.bytes.div_ceil(CHUNK);
+    let total = p.bytes;
+    let body = futures_util::stream::iter((0..chunks).map(move |i| {
+        let size = CHUNK.min(total - i * CHUNK) as usize;
+        Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'x'; size]))
+    }));
+    Body::from_stream(body).into_response()
+}
+
+async fn stats(State(state): AppState) -> Response {
+    Json(state.stats()).into_response()
+}
+
+async fn reset(State(state): AppState) -> Response {
+    state.reset();
+    *state.faults.lock().unwrap_or_else(|p| p.into_inner()) = FaultPlan::default();
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn arm_faults(State(state): AppState, Lenient(plan): Lenient<FaultPlan>) -> Response {
+    *state.faults.lock().unwrap_or_else(|p| p.into_inner()) = plan;
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn clear_faults(State(state): AppState) -> Response {
+    *state.faults.lock().unwrap_or_else(|p| p.into_inner()) = FaultPlan::default();
+    StatusCode::NO_CONTENT.into_response()
+}

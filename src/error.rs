@@ -1,0 +1,222 @@
+//! The one place where errors become HTTP answers.
+//!
+//! Every module keeps its own error enum; this module maps each of them to an
+//! RFC 9457 `application/problem+json` response whose `type` names the reason
+//! (`urn:idemgate:problem:<reason>`, listed in `docs/problems.md`). The client
+//! gets a safe `detail`; the internal cause travels as a [`ProblemLog`]
+//! response extension and is logged once, with the route, by the router.
+
+use axum::body::Body;
+use http::{HeaderValue, Response, StatusCode, header};
+use serde::Serialize;
+
+/// The prefix of every problem `type`.
+pub const PROBLEM_TYPE_PREFIX: &str = "urn:idemgate:problem:";
+
+/// The media type of every error body.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// An RFC 9457 problem, ready to become a response.
+#[derive(Debug, Clone)]
+pub struct Problem {
+    status: StatusCode,
+    reason: &'static str,
+    title: &'static str,
+    detail: String,
+    retry_after: Option<u64>,
+    allow: Option<String>,
+    log: Option<ProblemLog>,
+}
+
+/// What the gateway logs about a problem it answered: which layer decided,
+/// and the internal cause (never shown to the client).
+#[derive(Debug, Clone)]
+pub struct ProblemLog {
+    pub layer: &'static str,
+    pub cause: String,
+}
+
+#[derive(Serialize)]
+struct ProblemBody<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'a str,
+    status: u16,
+    detail: &'a str,
+}
+
+impl Problem {
+    /// A problem with a status, a reason slug and a human title.
+    pub fn new(status: StatusCode, reason: &'static str, title: &'static str) -> Self {
+        Problem {
+            status,
+            reason,
+            title,
+            detail: title.to_owned(),
+            retry_after: None,
+            allow: None,
+            log: None,
+        }
+    }
+
+    /// The client-facing explanation.
+    pub fn detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = detail.into();
+        self
+    }
+
+    /// Adds `Retry-After: secs`.
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// Adds `Allow` (for 405).
+    pub fn allow(mut self, methods: String) -> Self {
+        self.allow = Some(methods);
+        self
+    }
+
+    /// Records the internal cause for the log line.
+    pub fn logged(mut self, layer: &'static str, cause: impl Into<String>) -> Self {
+        self.log = Some(ProblemLog {
+            layer,
+            cause: cause.into(),
+        });
+        self
+    }
+
+    /// The status this problem answers with.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The reason slug (the end of `type`).
+    pub fn reason(&self) -> &'static str {
+        self.reason
+    }
+
+    /// Renders the response.
+    pub fn into_response(self) -> Response<Body> {
+        let body = ProblemBody {
+            kind: format!("{PROBLEM_TYPE_PREFIX}{}", self.reason),
+            title: self.title,
+            status: self.status.as_u16(),
+            detail: &self.detail,
+        };
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        let mut response = Response::new(Body::from(bytes));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(secs) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if let Some(allow) = self.allow.and_then(|a| HeaderValue::from_str(&a).ok()) {
+            headers.insert(header::ALLOW, allow);
+        }
+        response.extensions_mut().insert(ProblemReason(self.reason));
+        if let Some(log) = self.log {
+            response.extensions_mut().insert(log);
+        }
+        response
+    }
+}
+
+/// Marks a response as a problem the gateway answered itself (for metrics).
+#[derive(Debug, Clone, Copy)]
+pub struct ProblemReason(pub &'static str);
+
+impl axum::response::IntoResponse for Problem {
+    fn into_response(self) -> axum::response::Response {
+        Problem::into_response(self)
+    }
+}
+
+// === the catalogue: every module's errors, mapped here ===
+
+impl From<&crate::proxy::ProxyError> for Problem {
+    fn from(e: &crate::proxy::ProxyError) -> Self {
+        use crate::proxy::ProxyError as E;
+        let p = match e {
+            E::Connect(_) => Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream-unavailable",
+                "The upstream service could not be reached",
+            ),
+            E::Timeout(_) => Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream-timeout",
+                "The upstream service did not answer in time",
+            ),
+            E::Broken { .. } => Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream-broken",
+                "The upstream connection failed before a complete answer",
+            ),
+            E::BodyTooLarge { limit } => Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "The request body is larger than the gateway accepts",
+            )
+            .detail(format!(
+                "request bodies are limited to {limit} bytes; nothing was forwarded"
+            )),
+            E::BadRequestBody(_) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "bad-request-body",
+                "The request body could not be read",
+            ),
+        };
+        p.logged("proxy", e.to_string())
+    }
+}
+
+impl From<&crate::router::RouteError> for Problem {
+    fn from(e: &crate::router::RouteError) -> Self {
+        use crate::router::RouteError as E;
+        match e {
+            E::NotFound => Problem::new(
+                StatusCode::NOT_FOUND,
+                "route-not-found",
+                "No route matches this path",
+            ),
+            E::MethodNotAllowed { allow } => Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method-not-allowed",
+                "This route does not take this method",
+            )
+            .allow(allow.clone()),
+            E::InvalidPath => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid-path",
+                "The request path holds dot-segments or empty segments",
+            )
+            .detail("paths with '.', '..' or '//' segments are refused so that no route can be reached through another"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn problem_renders_rfc9457() {
+        let r = Problem::new(StatusCode::CONFLICT, "in-flight", "Busy")
+            .detail("d")
+            .retry_after(1)
+            .into_response();
+        assert_eq!(r.status(), 409);
+        assert_eq!(r.headers()["content-type"], PROBLEM_JSON);
+        assert_eq!(r.headers()["retry-after"], "1");
+        let body = r.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["type"], "urn:idemgate:problem:in-flight");
+        assert_eq!(v["status"], 409);
+        assert_eq!(v["title"], "Busy");
+        assert_eq!(v["detail"], "d");
+    }
+}

@@ -1,0 +1,167 @@
+//! Assembly: from a validated [`Config`] to running listeners.
+//!
+//! [`start`] binds both listeners (so tests can pass port 0 and read the real
+//! addresses back), builds one stack per route and spawns the serve loops;
+//! [`run`] is `idemgate serve`: start, wait for SIGTERM/SIGINT, drain.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::task::JoinHandle;
+use tower::ServiceBuilder;
+use tower::util::BoxCloneSyncService;
+use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
+
+use crate::config::{Config, Idempotency, RouteKind, RouteMatcher};
+use crate::metrics::Metrics;
+use crate::proxy::{Proxy, Upstream, build_client};
+use crate::request_id::{MakeRequestUuidV7, X_REQUEST_ID};
+use crate::router::{Route, RouteService, Router};
+use crate::server::{self, ConnLimits, PeerService, ShutdownTrigger};
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{key} = {addr:?}: cannot listen: {source}")]
+    Bind {
+        key: &'static str,
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("route {route:?}: {reason}")]
+    Route { route: String, reason: String },
+}
+
+/// A gateway running in this process.
+pub struct RunningGateway {
+    /// Where the public listener is bound.
+    pub public_addr: SocketAddr,
+    /// Where the admin listener is bound.
+    pub admin_addr: SocketAddr,
+    /// This gateway's metrics.
+    pub metrics: Arc<Metrics>,
+    trigger: ShutdownTrigger,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningGateway {
+    /// Stops accepting, lets in-flight requests finish, and returns when
+    /// both listeners have drained (or the grace period ran out).
+    pub async fn shutdown(self) {
+        self.trigger.trigger();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Starts the gateway on the listeners `config` names.
+pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
+    let public = server::bind(&config.server.listen, "server.listen").await?;
+    let admin = server::bind(&config.server.admin_listen, "server.admin_listen").await?;
+    let public_addr = public.local_addr().map_err(|source| StartError::Bind {
+        key: "server.listen",
+        addr: config.server.listen.clone(),
+        source,
+    })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
+        key: "server.admin_listen",
+        addr: config.server.admin_listen.clone(),
+        source,
+    })?;
+
+    let metrics = Arc::new(Metrics::new(&config));
+    let router = build_router(&config, &metrics)?;
+    let app: RouteService = BoxCloneSyncService::new(
+        ServiceBuilder::new()
+            .layer(SetRequestIdLayer::new(X_REQUEST_ID, MakeRequestUuidV7))
+            .layer(PropagateRequestIdLayer::new(X_REQUEST_ID))
+            .service(router),
+    );
+
+    let limits = ConnLimits {
+        header_read_timeout: config.server.header_read_timeout.get(),
+        max_connections: config.server.max_connections,
+        shutdown_grace: config.server.shutdown_grace.get(),
+    };
+    let (trigger, signal) = server::shutdown_pair();
+    let public_task = tokio::spawn(server::serve(
+        public,
+        PeerService::factory(app),
+        limits,
+        signal.clone(),
+    ));
+    let admin_app = crate::admin::router(crate::admin::AdminState {
+        metrics: metrics.clone(),
+    });
+    let mut admin_signal = signal;
+    let admin_task = tokio::spawn(async move {
+        let serving = axum::serve(admin, admin_app)
+            .with_graceful_shutdown(async move { admin_signal.wait().await });
+        if let Err(e) = serving.await {
+            tracing::error!(error = %e, "admin listener failed");
+        }
+    });
+    tracing::info!(%public_addr, %admin_addr, routes = config.routes.len(), "idemgate listening");
+    Ok(RunningGateway {
+        public_addr,
+        admin_addr,
+        metrics,
+        trigger,
+        tasks: vec![public_task, admin_task],
+    })
+}
+
+/// `idemgate serve`: runs until SIGTERM or SIGINT, then drains.
+pub async fn run(config: Config) -> Result<(), StartError> {
+    let gateway = start(config).await?;
+    server::termination().await;
+    tracing::info!("shutting down: no new connections, finishing in-flight requests");
+    gateway.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn build_router(config: &Config, metrics: &Arc<Metrics>) -> Result<Router, StartError> {
+    let client = build_client();
+    let mut upstreams = std::collections::HashMap::new();
+    for u in &config.upstreams {
+        let upstream = Upstream::from_config(u).map_err(|reason| StartError::Route {
+            route: format!("upstream {}", u.name),
+            reason,
+        })?;
+        upstreams.insert(u.name.clone(), Arc::new(upstream));
+    }
+    let mut routes = Vec::with_capacity(config.routes.len());
+    for r in &config.routes {
+        let fail = |reason: String| StartError::Route {
+            route: r.name.clone(),
+            reason,
+        };
+        let upstream = upstreams
+            .get(&r.upstream)
+            .cloned()
+            .ok_or_else(|| fail(format!("unknown upstream {:?}", r.upstream)))?;
+        let proxy = Proxy::new(
+            client.clone(),
+            upstream,
+            config.server.max_body_bytes,
+            metrics.upstream(&r.upstream),
+        );
+        let service: RouteService = match (r.kind, r.idempotency()) {
+            (RouteKind::Sync, Idempotency::None) => BoxCloneSyncService::new(proxy),
+            (kind, policy) => {
+                return Err(fail(format!(
+                    "kind = {kind:?}, idempotency = {policy:?} is not available in this build"
+                )));
+            }
+        };
+        routes.push(Route {
+            name: r.name.as_str().into(),
+            matcher: RouteMatcher::from_route(r).map_err(fail)?,
+            service,
+            counters: metrics.route(&r.name),
+        });
+    }
+    Ok(Router::new(routes, None))
+}

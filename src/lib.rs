@@ -1,0 +1,31 @@
+//! Idemgate: an HTTP idempotency gateway.
+//!
+//! It stands in front of order and payment services and makes sure a retried
+//! or duplicated request never makes them execute a business action twice.
+//!
+//! # Layout
+//!
+//! - [`config`]: the TOML file, environment overrides, validation.
+//! - [`gateway`]: assembly — one tower stack per route, listeners, shutdown.
+//! - [`server`]: the accept loop, connection hardening, graceful drain.
+//! - [`router`]: path and method matching; counts and logs every request.
+//! - [`proxy`]: the streaming hyper proxy, the innermost service of a route.
+//! - [`callback`]: business keys and signatures for callback routes.
+//! - [`error`]: the one place errors become `application/problem+json`.
+//! - [`metrics`]: the Prometheus registry behind `/metrics`.
+//! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/*`.
+//! - [`demo_upstream`]: the order/payment/coupon service the demo, tests and
+//!   load tests run against.
+
+pub mod admin;
+pub mod callback;
+pub mod config;
+pub mod demo;
+pub mod demo_upstream;
+pub mod error;
+pub mod gateway;
+pub mod metrics;
+pub mod proxy;
+pub mod request_id;
+pub mod router;
+pub mod server;

@@ -1,0 +1,222 @@
+//! Prometheus metrics, rendered as text on the admin listener's `/metrics`.
+//!
+//! Every series is known at start-up (routes and upstreams come from the
+//! config), so the registry is a set of immutable maps to atomic counters:
+//! recording on the hot path is one relaxed atomic add, with no lock and no
+//! allocation. A registry belongs to one gateway, so tests that run several
+//! gateways in one process never see each other's counts.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// What happened to one request on a route (`outcome` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Sent to the upstream.
+    Forwarded,
+    /// Answered from the stored outcome.
+    Replayed,
+    /// A duplicate while the first was in flight (409).
+    Conflict,
+    /// The key was reused for a different request (422).
+    Mismatch,
+    /// Refused for bad input (4xx) before anything was forwarded.
+    Rejected,
+    /// The gateway, store or upstream failed (5xx).
+    Error,
+}
+
+const OUTCOMES: [Outcome; 6] = [
+    Outcome::Forwarded,
+    Outcome::Replayed,
+    Outcome::Conflict,
+    Outcome::Mismatch,
+    Outcome::Rejected,
+    Outcome::Error,
+];
+
+impl Outcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::Rejected => "rejected",
+            Outcome::Error => "error",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The fast layers a request can fall back from (`layer` label).
+#[derive(Debug, Clone, Copy)]
+pub enum FallbackLayer {
+    Redis,
+    Memory,
+}
+
+const LATENCY_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// A fixed-bucket latency histogram.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&self, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        if let Some(i) = LATENCY_BUCKETS.iter().position(|b| secs <= *b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cumulative = 0;
+        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&self.buckets) {
+            cumulative += bucket.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+/// Request counters of one route, one per outcome.
+#[derive(Debug, Default)]
+pub struct RouteCounters([AtomicU64; OUTCOMES.len()]);
+
+impl RouteCounters {
+    /// Counts one request.
+    pub fn record(&self, outcome: Outcome) {
+        self.0[outcome.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The count of one outcome.
+    pub fn get(&self, outcome: Outcome) -> u64 {
+        self.0[outcome.index()].load(Ordering::Relaxed)
+    }
+}
+
+/// One gateway's metrics.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    routes: BTreeMap<String, Arc<RouteCounters>>,
+    upstreams: BTreeMap<String, Arc<Histogram>>,
+    fallback_redis: AtomicU64,
+    fallback_memory: AtomicU64,
+    /// Claims currently held by this gateway (forwarded, not yet finished).
+    pub claims_in_flight: AtomicU64,
+    /// Latency of store operations as the engine sees them.
+    pub store_latency: Histogram,
+}
+
+impl Metrics {
+    /// A registry with one series per route and upstream of `config`.
+    pub fn new(config: &crate::config::Config) -> Self {
+        Metrics {
+            routes: config
+                .routes
+                .iter()
+                .map(|r| (r.name.clone(), Arc::default()))
+                .chain(std::iter::once(("token".to_owned(), Arc::default())))
+                .collect(),
+            upstreams: config
+                .upstreams
+                .iter()
+                .map(|u| (u.name.clone(), Arc::default()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The counters of one route.
+    pub fn route(&self, name: &str) -> Arc<RouteCounters> {
+        self.routes.get(name).cloned().unwrap_or_default()
+    }
+
+    /// The latency histogram of one upstream.
+    pub fn upstream(&self, name: &str) -> Arc<Histogram> {
+        self.upstreams.get(name).cloned().unwrap_or_default()
+    }
+
+    /// Counts a request sent down the SQL path because a fast layer failed.
+    pub fn fallback(&self, layer: FallbackLayer) {
+        match layer {
+            FallbackLayer::Redis => &self.fallback_redis,
+            FallbackLayer::Memory => &self.fallback_memory,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        out.push_str("# HELP idemgate_requests_total Requests by route and outcome.\n");
+        out.push_str("# TYPE idemgate_requests_total counter\n");
+        for (route, counters) in &self.routes {
+            for outcome in OUTCOMES {
+                let _ = writeln!(
+                    out,
+                    "idemgate_requests_total{{route=\"{route}\",outcome=\"{}\"}} {}",
+                    outcome.as_str(),
+                    counters.get(outcome)
+                );
+            }
+        }
+        out.push_str("# HELP idemgate_store_fallback_total Operations sent to SQL because the fast layer failed or was slow.\n");
+        out.push_str("# TYPE idemgate_store_fallback_total counter\n");
+        for (layer, counter) in [
+            ("redis", &self.fallback_redis),
+            ("memory", &self.fallback_memory),
+        ] {
+            let _ = writeln!(
+                out,
+                "idemgate_store_fallback_total{{layer=\"{layer}\"}} {}",
+                counter.load(Ordering::Relaxed)
+            );
+        }
+        out.push_str(
+            "# HELP idemgate_upstream_duration_seconds Time to the upstream's response head.\n",
+        );
+        out.push_str("# TYPE idemgate_upstream_duration_seconds histogram\n");
+        for (upstream, histogram) in &self.upstreams {
+            histogram.render(
+                &mut out,
+                "idemgate_upstream_duration_seconds",
+                &format!("upstream=\"{upstream}\""),
+            );
+        }
+        out.push_str("# HELP idemgate_claims_in_flight Claims this gateway holds right now.\n");
+        out.push_str("# TYPE idemgate_claims_in_flight gauge\n");
+        let _ = writeln!(
+            out,
+            "idemgate_claims_in_flight {}",
+            self.claims_in_flight.load(Ordering::Relaxed)
+        );
+        out.push_str("# HELP idemgate_store_duration_seconds Latency of store operations.\n");
+        out.push_str("# TYPE idemgate_store_duration_seconds histogram\n");
+        self.store_latency
+            .render(&mut out, "idemgate_store_duration_seconds", "op=\"all\"");
+        out
+    }
+}

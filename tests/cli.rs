@@ -1,0 +1,162 @@
+//! The `idemgate` binary: check-config exit codes and SIGTERM draining.
+
+mod support;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn idemgate() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_idemgate"))
+}
+
+fn write_config(text: &str) -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(text.as_bytes()).unwrap();
+    file
+}
+
+#[test]
+fn check_config_prints_the_route_table_of_the_shipped_config() {
+    let out = idemgate()
+        .args(["check-config", "--config", "config/idemgate.toml"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ROUTE"), "{stdout}");
+    assert!(stdout.contains("read-orders"), "{stdout}");
+}
+
+#[test]
+fn check_config_reports_every_problem_and_exits_2() {
+    let file = write_config(
+        r#"
+        [store]
+        retention = "a while"
+        [[upstreams]]
+        name = "orders"
+        url = "ftp://x"
+        [[routes]]
+        name = "a"
+        path = "/a"
+        upstream = "ghost"
+        [[routes]]
+        name = "b"
+        path_prefix = "/"
+        upstream = "orders"
+        "#,
+    );
+    let out = idemgate()
+        .args(["check-config", "--config"])
+        .arg(file.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for expected in [
+        "store.retention",
+        "upstreams[0].url",
+        "routes[0].upstream",
+        "routes[1]",
+        "overlaps",
+        &file.path().display().to_string(),
+    ] {
+        assert!(
+            stderr.contains(expected),
+            "missing {expected:?} in:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn unknown_keys_are_refused_with_the_key_name() {
+    let file = write_config("[server]\nlisten = \"127.0.0.1:1\"\nport = 3\n");
+    let out = idemgate()
+        .args(["check-config", "--config"])
+        .arg(file.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("port"));
+}
+
+#[tokio::test]
+async fn sigterm_finishes_the_in_flight_request_then_exits() {
+    let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let listen = format!("127.0.0.1:{}", support::dead_port());
+    let file = write_config(&format!(
+        r#"
+        [server]
+        listen = "{listen}"
+        admin_listen = "127.0.0.1:0"
+        [store]
+        database_url = "sqlite::memory:"
+        [[upstreams]]
+        name = "demo"
+        url = "http://{}"
+        [[routes]]
+        name = "all"
+        path_prefix = "/"
+        upstream = "demo"
+        "#,
+        upstream.addr
+    ));
+    let mut child = idemgate()
+        .args(["serve", "--config"])
+        .arg(file.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let http = support::Http::default();
+    let url = format!("http://{listen}/actions/slow");
+    let up = support::eventually(Duration::from_secs(10), || {
+        let http = http.clone();
+        let url = format!("http://{listen}/echo");
+        async move { http.try_send("GET", &url, &[], "").await.is_ok() }
+    })
+    .await;
+    assert!(up, "the gateway did not start");
+    let slow = tokio::spawn({
+        let http = http.clone();
+        async move {
+            http.send("POST", &url, &[("x-demo-delay-ms", "1000")], "")
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let answer = slow.await.unwrap();
+    assert_eq!(answer.status, 201);
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "exit status {status}");
+    assert_eq!(upstream.state.executions("slow", "-"), 1);
+    upstream.shutdown().await;
+}
+
+#[test]
+fn docker_config_is_valid_too() {
+    let out = idemgate()
+        .args(["check-config", "--config", "config/docker.toml"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,203 @@
+//! Shared test support: a real gateway on `127.0.0.1:0` in front of a real
+//! demo upstream, and a small HTTP client.
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use idemgate::config::Config;
+use idemgate::demo_upstream::{self, DemoUpstream};
+use idemgate::gateway::{self, RunningGateway};
+
+/// A complete answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// The problem `type` of an error answer, after checking the media type.
+    pub fn problem_type(&self) -> String {
+        assert_eq!(
+            self.headers
+                .get("content-type")
+                .map(|v| v.to_str().unwrap()),
+            Some("application/problem+json"),
+            "status {} body {:?}",
+            self.status,
+            String::from_utf8_lossy(&self.body)
+        );
+        self.json()["type"].as_str().unwrap().to_owned()
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+}
+
+/// A test HTTP client.
+#[derive(Clone)]
+pub struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for Http {
+    fn default() -> Self {
+        Http {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+}
+
+impl Http {
+    pub async fn send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Answer {
+        self.try_send(method, url, headers, body)
+            .await
+            .unwrap_or_else(|e| panic!("{method} {url}: {e:?}"))
+    }
+
+    pub async fn try_send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Result<Answer, hyper_util::client::legacy::Error> {
+        let mut request = Request::builder()
+            .method(Method::from_bytes(method.as_bytes()).unwrap())
+            .uri(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request.body(Full::new(body.into())).unwrap();
+        let response = self.client.request(request).await?;
+        let (parts, body) = response.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        Ok(Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    }
+
+    pub async fn get(&self, url: &str) -> Answer {
+        self.send("GET", url, &[], Bytes::new()).await
+    }
+}
+
+/// A config for tests: ephemeral ports, one upstream `demo` at `upstream`,
+/// and the routes given as TOML.
+pub fn config(upstream: SocketAddr, extra: &str) -> Config {
+    let text = format!(
+        r#"
+        [server]
+        listen = "127.0.0.1:0"
+        admin_listen = "127.0.0.1:0"
+        header_read_timeout = "2s"
+        shutdown_grace = "10s"
+
+        [store]
+        database_url = "sqlite::memory:"
+
+        [[upstreams]]
+        name = "demo"
+        url = "http://{upstream}"
+        timeout = "2s"
+
+        {extra}
+        "#
+    );
+    let mut config = Config::parse(&text, "test").unwrap();
+    config.validate("test").unwrap();
+    config.server.listen = "127.0.0.1:0".into();
+    config
+}
+
+/// A pass-through catch-all route.
+pub const PASS_THROUGH: &str = r#"
+    [[routes]]
+    name = "pass"
+    path_prefix = "/"
+    upstream = "demo"
+"#;
+
+/// A demo upstream and a gateway in front of it.
+pub struct Stack {
+    pub upstream: DemoUpstream,
+    pub gateway: RunningGateway,
+    pub http: Http,
+}
+
+impl Stack {
+    pub async fn start(routes: &str) -> Stack {
+        Self::start_with(routes, |_| {}).await
+    }
+
+    pub async fn start_with(routes: &str, tweak: impl FnOnce(&mut Config)) -> Stack {
+        let upstream = demo_upstream::start("127.0.0.1:0").await.unwrap();
+        let mut config = config(upstream.addr, routes);
+        tweak(&mut config);
+        let gateway = gateway::start(config).await.unwrap();
+        Stack {
+            upstream,
+            gateway,
+            http: Http::default(),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.gateway.public_addr, path)
+    }
+
+    pub fn admin(&self, path: &str) -> String {
+        format!("http://{}{}", self.gateway.admin_addr, path)
+    }
+
+    pub async fn shutdown(self) {
+        self.gateway.shutdown().await;
+        self.upstream.shutdown().await;
+    }
+}
+
+/// A port nothing listens on.
+pub fn dead_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+pub async fn eventually<F: std::future::Future<Output = bool>>(
+    timeout: Duration,
+    mut check: impl FnMut() -> F,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
