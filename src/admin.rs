@@ -1,4 +1,4 @@
-//! The admin listener: `/healthz`, `/readyz`, `/metrics` and `/admin/*`.
+//! The admin listener: `/healthz`, `/readyz`, `/metrics` and `/admin/keys`.
 //!
 //! It is a separate socket (`server.admin_listen`) so that operators can
 //! firewall it; none of these paths exist on the public listener.
@@ -6,18 +6,22 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use serde::Deserialize;
 use serde_json::json;
 
+use crate::identity::client_scope;
 use crate::metrics::Metrics;
+use crate::store::{Store, now_ms};
 
 /// What the admin endpoints read.
 #[derive(Clone)]
 pub struct AdminState {
     pub metrics: Arc<Metrics>,
+    pub store: Store,
 }
 
 /// The admin router.
@@ -26,6 +30,10 @@ pub fn router(state: AdminState) -> axum::Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route(
+            "/admin/keys/{route}/{*key}",
+            get(show_key).delete(purge_key),
+        )
         .with_state(state)
 }
 
@@ -33,8 +41,28 @@ async fn healthz() -> impl IntoResponse {
     Json(json!({"status": "ok"}))
 }
 
-async fn readyz(State(_state): State<AdminState>) -> impl IntoResponse {
-    (StatusCode::OK, Json(json!({"status": "ready"})))
+/// Ready when SQL answers; the fast layer's state is reported, not
+/// required (the gateway stays correct on the SQL path without it).
+async fn readyz(State(state): State<AdminState>) -> Response {
+    let (sql, fast) = state.store.readiness().await;
+    let fast_state = match &fast {
+        None => "none".to_owned(),
+        Some(Ok(())) => "ok".to_owned(),
+        Some(Err(e)) => format!("degraded: {e}"),
+    };
+    let body = json!({
+        "status": if sql.is_ok() { "ready" } else { "not ready" },
+        "sql": match &sql { Ok(()) => "ok".to_owned(), Err(e) => e.to_string() },
+        "sql_backend": state.store.sql().backend(),
+        "fast_layer": state.store.fast_layer_name(),
+        "fast_layer_state": fast_state,
+    });
+    let status = if sql.is_ok() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
@@ -42,4 +70,50 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
     )
+}
+
+#[derive(Deserialize)]
+struct ClientParam {
+    /// The client's identity header value, as sent.
+    client: Option<String>,
+}
+
+async fn show_key(
+    State(state): State<AdminState>,
+    Path((route, key)): Path<(String, String)>,
+    Query(p): Query<ClientParam>,
+) -> Response {
+    let now = now_ms();
+    let scope = p.client.map(|c| client_scope(Some(c.as_bytes())));
+    match state.store.find(&route, &key).await {
+        Ok(records) => {
+            let records: Vec<_> = records
+                .iter()
+                .filter(|r| scope.as_ref().is_none_or(|s| &r.key.scope == s))
+                .map(|r| r.describe(now))
+                .collect();
+            let status = if records.is_empty() {
+                StatusCode::NOT_FOUND
+            } else {
+                StatusCode::OK
+            };
+            (status, Json(json!({"records": records}))).into_response()
+        }
+        Err(e) => crate::error::Problem::from(&e).into_response(),
+    }
+}
+
+async fn purge_key(
+    State(state): State<AdminState>,
+    Path((route, key)): Path<(String, String)>,
+    Query(p): Query<ClientParam>,
+) -> Response {
+    let scope = p.client.map(|c| client_scope(Some(c.as_bytes())));
+    match state.store.purge(&route, &key, scope.as_deref()).await {
+        Ok(n) => {
+            tracing::info!(route = %route, key = %key.escape_debug(), purged = n, layer = "admin", "records purged");
+            Json(json!({"purged": n})).into_response()
+        }
+        Err(e) => crate::error::Problem::from(&e).into_response(),
+    }
 }

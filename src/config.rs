@@ -37,6 +37,7 @@ const DEFAULT_SWEEP_INTERVAL: &str = "1m";
 const DEFAULT_FAST_LAYER_BUDGET: &str = "100ms";
 const DEFAULT_MAX_STORED_BODY_BYTES: usize = 1024 * 1024;
 const DEFAULT_POOL_SIZE: u32 = 16;
+const DEFAULT_REDIS_PREFIX: &str = "idemgate:";
 
 const DEFAULT_TOKEN_TTL: &str = "10m";
 const DEFAULT_IDENTITY_HEADER: &str = "Authorization";
@@ -114,6 +115,9 @@ pub struct StoreConfig {
     /// Connections in the SQL pool.
     #[serde(default = "default_pool_size")]
     pub pool_size: u32,
+    /// Prefix of every Redis key this gateway writes.
+    #[serde(default = "default_redis_prefix")]
+    pub redis_prefix: String,
 }
 
 /// `[tokens]`: one-time tokens issued by `/token`.
@@ -309,6 +313,9 @@ fn default_max_stored_body_bytes() -> usize {
 fn default_pool_size() -> u32 {
     DEFAULT_POOL_SIZE
 }
+fn default_redis_prefix() -> String {
+    DEFAULT_REDIS_PREFIX.into()
+}
 fn default_token_ttl() -> HumanDuration {
     DEFAULT_TOKEN_TTL.into()
 }
@@ -348,6 +355,7 @@ impl Default for StoreConfig {
             fast_layer_budget: default_fast_layer_budget(),
             max_stored_body_bytes: default_max_stored_body_bytes(),
             pool_size: default_pool_size(),
+            redis_prefix: default_redis_prefix(),
         }
     }
 }

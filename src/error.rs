@@ -198,6 +198,19 @@ impl From<&crate::router::RouteError> for Problem {
     }
 }
 
+impl From<&crate::store::StoreError> for Problem {
+    fn from(e: &crate::store::StoreError) -> Self {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "The idempotency store cannot be reached",
+        )
+        .detail("the request was not forwarded; retry later with the same key")
+        .retry_after(1)
+        .logged("store", e.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

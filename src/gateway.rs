@@ -18,6 +18,7 @@ use crate::proxy::{Proxy, Upstream, build_client};
 use crate::request_id::{MakeRequestUuidV7, X_REQUEST_ID};
 use crate::router::{Route, RouteService, Router};
 use crate::server::{self, ConnLimits, PeerService, ShutdownTrigger};
+use crate::store::Store;
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +31,11 @@ pub enum StartError {
     },
     #[error("route {route:?}: {reason}")]
     Route { route: String, reason: String },
+    #[error("store ({url}): {source}")]
+    Store {
+        url: String,
+        source: crate::store::StoreError,
+    },
 }
 
 /// A gateway running in this process.
@@ -40,7 +46,10 @@ pub struct RunningGateway {
     pub admin_addr: SocketAddr,
     /// This gateway's metrics.
     pub metrics: Arc<Metrics>,
+    /// This gateway's store.
+    pub store: Store,
     trigger: ShutdownTrigger,
+    sweeper: JoinHandle<()>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -52,6 +61,7 @@ impl RunningGateway {
         for task in self.tasks {
             let _ = task.await;
         }
+        self.sweeper.abort();
     }
 }
 
@@ -71,6 +81,18 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     })?;
 
     let metrics = Arc::new(Metrics::new(&config));
+    let (store, memory) = crate::store::open(&config.store, metrics.clone())
+        .await
+        .map_err(|source| StartError::Store {
+            url: redact(&config.store.database_url),
+            source,
+        })?;
+    let sweeper = crate::store::sweep::spawn(
+        store.sql().clone(),
+        memory,
+        config.store.sweep_interval.get(),
+        config.store.archive,
+    );
     let router = build_router(&config, &metrics)?;
     let app: RouteService = BoxCloneSyncService::new(
         ServiceBuilder::new()
@@ -93,6 +115,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     ));
     let admin_app = crate::admin::router(crate::admin::AdminState {
         metrics: metrics.clone(),
+        store: store.clone(),
     });
     let mut admin_signal = signal;
     let admin_task = tokio::spawn(async move {
@@ -102,12 +125,21 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
             tracing::error!(error = %e, "admin listener failed");
         }
     });
-    tracing::info!(%public_addr, %admin_addr, routes = config.routes.len(), "idemgate listening");
+    tracing::info!(
+        %public_addr,
+        %admin_addr,
+        routes = config.routes.len(),
+        sql = store.sql().backend(),
+        fast_layer = store.fast_layer_name(),
+        "idemgate listening"
+    );
     Ok(RunningGateway {
         public_addr,
         admin_addr,
         metrics,
+        store,
         trigger,
+        sweeper,
         tasks: vec![public_task, admin_task],
     })
 }
@@ -164,4 +196,15 @@ fn build_router(config: &Config, metrics: &Arc<Metrics>) -> Result<Router, Start
         });
     }
     Ok(Router::new(routes, None))
+}
+
+/// A database URL without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        _ => url.to_owned(),
+    }
 }

@@ -10,6 +10,9 @@
 //! - [`server`]: the accept loop, connection hardening, graceful drain.
 //! - [`router`]: path and method matching; counts and logs every request.
 //! - [`proxy`]: the streaming hyper proxy, the innermost service of a route.
+//! - [`store`]: the SQL record (truth) behind a Redis or in-process fast
+//!   layer; claims, fencing, retention.
+//! - [`identity`]: the client scope every record is keyed by.
 //! - [`callback`]: business keys and signatures for callback routes.
 //! - [`error`]: the one place errors become `application/problem+json`.
 //! - [`metrics`]: the Prometheus registry behind `/metrics`.
@@ -24,8 +27,10 @@ pub mod demo;
 pub mod demo_upstream;
 pub mod error;
 pub mod gateway;
+pub mod identity;
 pub mod metrics;
 pub mod proxy;
 pub mod request_id;
 pub mod router;
 pub mod server;
+pub mod store;

@@ -24,6 +24,35 @@ enum Command {
     Demo,
     /// Validate the configuration and print the route table.
     CheckConfig,
+    /// Apply the SQL migrations (serve also applies them).
+    Migrate,
+    /// Inspect or remove idempotency records.
+    Keys {
+        #[command(subcommand)]
+        action: KeysAction,
+    },
+    /// Delete (or archive) expired records now.
+    Sweep,
+}
+
+#[derive(Subcommand)]
+enum KeysAction {
+    /// Print the record(s) of ROUTE and KEY: state, epoch, lease, fingerprint, status, ages.
+    Show {
+        route: String,
+        key: String,
+        /// The client's identity header value; default: every client.
+        #[arg(long)]
+        client: Option<String>,
+    },
+    /// Remove the record(s) of ROUTE and KEY from SQL and the fast layer.
+    Purge {
+        route: String,
+        key: String,
+        /// The client's identity header value; default: every client.
+        #[arg(long)]
+        client: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -49,6 +78,80 @@ fn main() -> ExitCode {
         }),
         Command::Demo => {
             block_on(async { idemgate::demo::run(config).await.map_err(|e| e.to_string()) })
+        }
+        Command::Migrate => block_on(async move {
+            open_store(&config).await?;
+            println!(
+                "migrations applied to {}",
+                idemgate::gateway::redact(&config.store.database_url)
+            );
+            Ok(())
+        }),
+        Command::Sweep => block_on(async move {
+            let store = open_store(&config).await?;
+            let n = idemgate::store::sweep::sweep_once(store.sql(), config.store.archive)
+                .await
+                .map_err(|e| e.to_string())?;
+            let verb = if config.store.archive {
+                "archived"
+            } else {
+                "deleted"
+            };
+            println!("{verb} {n} expired record(s)");
+            Ok(())
+        }),
+        Command::Keys { action } => block_on(async move { keys(&config, action).await }),
+    }
+}
+
+async fn open_store(config: &Config) -> Result<idemgate::store::Store, String> {
+    let metrics = std::sync::Arc::new(idemgate::metrics::Metrics::new(config));
+    idemgate::store::open(&config.store, metrics)
+        .await
+        .map(|(store, _)| store)
+        .map_err(|e| e.to_string())
+}
+
+async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
+    let store = open_store(config).await?;
+    let scope = |client: &Option<String>| {
+        client
+            .as_ref()
+            .map(|c| idemgate::identity::client_scope(Some(c.as_bytes())))
+    };
+    match action {
+        KeysAction::Show { route, key, client } => {
+            let scope = scope(&client);
+            let now = idemgate::store::now_ms();
+            let records: Vec<_> = store
+                .find(&route, &key)
+                .await
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .filter(|r| scope.as_ref().is_none_or(|s| &r.key.scope == s))
+                .map(|r| r.describe(now))
+                .collect();
+            if records.is_empty() {
+                return Err(format!(
+                    "no record for route {route:?} key {:?}",
+                    key.escape_debug().to_string()
+                ));
+            }
+            for record in records {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&record).unwrap_or_default()
+                );
+            }
+            Ok(())
+        }
+        KeysAction::Purge { route, key, client } => {
+            let n = store
+                .purge(&route, &key, scope(&client).as_deref())
+                .await
+                .map_err(|e| e.to_string())?;
+            println!("purged {n} record(s)");
+            Ok(())
         }
     }
 }

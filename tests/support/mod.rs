@@ -11,6 +11,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+pub mod services;
+
 use idemgate::config::Config;
 use idemgate::demo_upstream::{self, DemoUpstream};
 use idemgate::gateway::{self, RunningGateway};

@@ -1,0 +1,207 @@
+//! Byte encodings: stored headers (SQL column) and fast-layer entries.
+//!
+//! Both are length-prefixed binary, so any header value (even non-UTF-8)
+//! survives byte for byte, and a truncated or foreign value fails to decode
+//! instead of being misread.
+
+use bytes::Bytes;
+
+use super::{RecordKey, StoredResponse};
+
+const ENTRY_MAGIC: &[u8; 4] = b"IGF1";
+
+/// What a fast-layer key holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FastEntry {
+    /// A claim is running; duplicates are turned away.
+    InFlight { key: RecordKey, fingerprint: String },
+    /// The outcome, replayed without SQL.
+    Completed {
+        key: RecordKey,
+        fingerprint: String,
+        response: StoredResponse,
+    },
+}
+
+impl FastEntry {
+    /// The record this entry claims to describe.
+    pub fn key(&self) -> &RecordKey {
+        match self {
+            FastEntry::InFlight { key, .. } | FastEntry::Completed { key, .. } => key,
+        }
+    }
+
+    /// The fingerprint it was written for.
+    pub fn fingerprint(&self) -> &str {
+        match self {
+            FastEntry::InFlight { fingerprint, .. } | FastEntry::Completed { fingerprint, .. } => {
+                fingerprint
+            }
+        }
+    }
+}
+
+/// Encodes headers as `u16 name length, name, u32 value length, value`.
+pub fn encode_headers(headers: &[(String, Vec<u8>)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(headers.len() * 32);
+    put_headers(&mut out, headers);
+    out
+}
+
+/// Decodes [`encode_headers`].
+pub fn decode_headers(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let mut r = Reader(bytes);
+    let headers = r.headers()?;
+    r.end()?;
+    Ok(headers)
+}
+
+/// Encodes a fast-layer entry.
+pub fn encode_entry(entry: &FastEntry) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(ENTRY_MAGIC);
+    let (kind, key, fingerprint) = match entry {
+        FastEntry::InFlight { key, fingerprint } => (1u8, key, fingerprint),
+        FastEntry::Completed {
+            key, fingerprint, ..
+        } => (2u8, key, fingerprint),
+    };
+    out.push(kind);
+    for field in [&key.scope, &key.route, &key.key, fingerprint] {
+        put(&mut out, field.as_bytes());
+    }
+    if let FastEntry::Completed { response, .. } = entry {
+        out.extend_from_slice(&response.status.to_be_bytes());
+        out.push(u8::from(response.body_kept));
+        put(&mut out, response.request_id.as_bytes());
+        put_headers(&mut out, &response.headers);
+        put(&mut out, &response.body);
+    }
+    out
+}
+
+/// Decodes [`encode_entry`]; anything else is an error.
+pub fn decode_entry(bytes: &[u8]) -> Result<FastEntry, String> {
+    let rest = bytes
+        .strip_prefix(ENTRY_MAGIC)
+        .ok_or("not an idemgate entry")?;
+    let (&kind, rest) = rest.split_first().ok_or("truncated")?;
+    let mut r = Reader(rest);
+    let key = RecordKey {
+        scope: r.string()?,
+        route: r.string()?,
+        key: r.string()?,
+    };
+    let fingerprint = r.string()?;
+    let entry = match kind {
+        1 => FastEntry::InFlight { key, fingerprint },
+        2 => {
+            let status = u16::from_be_bytes(r.take(2)?.try_into().map_err(|_| "status")?);
+            let body_kept = r.take(1)?[0] == 1;
+            let request_id = r.string()?;
+            let headers = r.headers()?;
+            let body = Bytes::copy_from_slice(r.field()?);
+            FastEntry::Completed {
+                key,
+                fingerprint,
+                response: StoredResponse {
+                    status,
+                    headers,
+                    body,
+                    body_kept,
+                    request_id,
+                },
+            }
+        }
+        _ => return Err(format!("unknown entry kind {kind}")),
+    };
+    r.end()?;
+    Ok(entry)
+}
+
+fn put(out: &mut Vec<u8>, field: &[u8]) {
+    out.extend_from_slice(&(field.len() as u32).to_be_bytes());
+    out.extend_from_slice(field);
+}
+
+fn put_headers(out: &mut Vec<u8>, headers: &[(String, Vec<u8>)]) {
+    out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+    for (name, value) in headers {
+        put(out, name.as_bytes());
+        put(out, value);
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.0.len() < n {
+            return Err("truncated".into());
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn u32(&mut self) -> Result<usize, String> {
+        let b = self.take(4)?;
+        Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
+    }
+
+    fn field(&mut self) -> Result<&'a [u8], String> {
+        let n = self.u32()?;
+        self.take(n)
+    }
+
+    fn string(&mut self) -> Result<String, String> {
+        String::from_utf8(self.field()?.to_vec()).map_err(|_| "not UTF-8".into())
+    }
+
+    fn headers(&mut self) -> Result<Vec<(String, Vec<u8>)>, String> {
+        let count = self.u32()?;
+        let mut headers = Vec::with_capacity(count.min(256));
+        for _ in 0..count {
+            headers.push((self.string()?, self.field()?.to_vec()));
+        }
+        Ok(headers)
+    }
+
+    fn end(&self) -> Result<(), String> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err("trailing bytes".into())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_garbage_is_refused() {
+        let key = RecordKey::new("s", "r", "k\u{1}");
+        let entry = FastEntry::Completed {
+            key: key.clone(),
+            fingerprint: "fp".into(),
+            response: StoredResponse {
+                status: 201,
+                headers: vec![("x-a".into(), vec![0xff, 0])],
+                body: Bytes::from_static(b"{}"),
+                body_kept: true,
+                request_id: "rid".into(),
+            },
+        };
+        let bytes = encode_entry(&entry);
+        assert_eq!(decode_entry(&bytes).unwrap(), entry);
+        assert!(decode_entry(&bytes[..bytes.len() - 1]).is_err());
+        assert!(decode_entry(b"{\"json\":1}").is_err());
+        let marker = FastEntry::InFlight {
+            key,
+            fingerprint: "fp".into(),
+        };
+        assert_eq!(decode_entry(&encode_entry(&marker)).unwrap(), marker);
+    }
+}

@@ -1,0 +1,224 @@
+//! The idempotency store: the SQL record is the truth, a fast layer sits in
+//! front of it.
+//!
+//! - [`sql::SqlStore`]: Postgres or SQLite, same code and same schema. Every
+//!   claim is durable here before anything is forwarded (SPEC §1 rule 1).
+//!   Check-and-claim is one atomic statement (rule 2); every write after the
+//!   claim carries the claim's fencing epoch, so a paused or late holder can
+//!   never overwrite a newer one.
+//! - [`FastLayer`]: the accelerator — [`redis::RedisLayer`] or
+//!   [`memory::MemoryLayer`]. It turns concurrent duplicates away and
+//!   replays finished requests without touching SQL; whatever it returns is
+//!   verified before use, and its failures only send requests down the SQL
+//!   path.
+//! - [`tiered::Store`]: the composition the gateway uses. Every operation is
+//!   bounded by `store.timeout`; an unreachable SQL store is an error the
+//!   gateway answers 503 (rule 3: fail closed).
+//!
+//! A record moves `in_flight → completed`, `in_flight → uncertain` (the
+//! request reached the upstream, no answer came back) or `in_flight →
+//! released` (the attempt failed without effect). `uncertain`, `released`,
+//! lease-expired and retention-expired records can be claimed again, which
+//! bumps the epoch.
+
+pub mod codec;
+pub mod fast;
+pub mod memory;
+pub mod redis;
+pub mod sql;
+pub mod sweep;
+pub mod tiered;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+
+pub use fast::FastLayer;
+pub use tiered::{Store, StoreSettings};
+
+/// Which record: (client scope, route, key) — SPEC §1 rule 4.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RecordKey {
+    /// Hash of the client identity (see [`crate::identity`]).
+    pub scope: String,
+    /// The route name.
+    pub route: String,
+    /// The client's key, the token id, or the business key.
+    pub key: String,
+}
+
+impl RecordKey {
+    /// A key from its three parts.
+    pub fn new(scope: impl Into<String>, route: impl Into<String>, key: impl Into<String>) -> Self {
+        RecordKey {
+            scope: scope.into(),
+            route: route.into(),
+            key: key.into(),
+        }
+    }
+
+    /// The key escaped for logs (never log a client's key raw).
+    pub fn escaped(&self) -> String {
+        self.key.escape_debug().to_string()
+    }
+}
+
+/// Where a record stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordState {
+    InFlight,
+    Completed,
+    Uncertain,
+    Released,
+}
+
+impl RecordState {
+    /// The column value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordState::InFlight => "in_flight",
+            RecordState::Completed => "completed",
+            RecordState::Uncertain => "uncertain",
+            RecordState::Released => "released",
+        }
+    }
+
+    fn parse(text: &str) -> Result<RecordState, StoreError> {
+        Ok(match text {
+            "in_flight" => RecordState::InFlight,
+            "completed" => RecordState::Completed,
+            "uncertain" => RecordState::Uncertain,
+            "released" => RecordState::Released,
+            other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+        })
+    }
+}
+
+/// A finished request's outcome, as replayed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    /// End-to-end headers, in order (no hop-by-hop, no `Set-Cookie`).
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub body: Bytes,
+    /// False when the body was over `store.max_stored_body_bytes`: the
+    /// outcome is recorded (never re-executed) but the body is not kept.
+    pub body_kept: bool,
+    /// The `X-Request-Id` of the request that produced it.
+    pub request_id: String,
+}
+
+/// One record as stored.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub key: RecordKey,
+    pub fingerprint: String,
+    pub state: RecordState,
+    pub epoch: i64,
+    pub lease_until_ms: i64,
+    pub request_id: String,
+    pub response: Option<StoredResponse>,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub expires_at_ms: i64,
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// This request holds the claim under `epoch`: forward it.
+    Won { epoch: i64 },
+    /// Another request with this key is running.
+    InFlight { retry_after: Duration },
+    /// The request already finished: replay this.
+    Completed(StoredResponse),
+    /// The key was used for a different request.
+    Mismatch,
+}
+
+/// Why a store operation failed. Every variant means "fail closed".
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("SQL store unavailable during {op}: {cause}")]
+    Unavailable { op: &'static str, cause: String },
+    #[error("SQL store did not answer {op} within {after:?}")]
+    Timeout { op: &'static str, after: Duration },
+    #[error("stored record is corrupt: {0}")]
+    Corrupt(String),
+    #[error("migrations failed: {0}")]
+    Migrate(String),
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// Adds a duration to a millisecond timestamp.
+pub fn after_ms(base: i64, d: Duration) -> i64 {
+    base.saturating_add(d.as_millis().min(i64::MAX as u128) as i64)
+}
+
+/// The store a config asks for, with its migrations applied, plus the
+/// in-process layer (if that is the fast layer) for the sweeper to trim.
+pub async fn open(
+    config: &crate::config::StoreConfig,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+) -> Result<(Store, Option<std::sync::Arc<memory::MemoryLayer>>), StoreError> {
+    let sql = sql::SqlStore::connect(&sql::SqlSettings {
+        url: config.database_url.clone(),
+        pool_size: config.pool_size,
+        timeout: config.timeout.get(),
+    })
+    .await?;
+    sql.migrate().await?;
+    let settings = StoreSettings {
+        lease: config.lease.get(),
+        retention: config.retention.get(),
+        fast_layer_budget: config.fast_layer_budget.get(),
+    };
+    let (fast, memory): (std::sync::Arc<dyn FastLayer>, _) = if config.redis_url.is_empty() {
+        let memory = std::sync::Arc::new(memory::MemoryLayer::new(memory::DEFAULT_MAX_ENTRIES));
+        (memory.clone(), Some(memory))
+    } else {
+        let redis = redis::RedisLayer::new(
+            &config.redis_url,
+            &config.redis_prefix,
+            settings.fast_layer_budget,
+        )
+        .map_err(|e| StoreError::Unavailable {
+            op: "redis",
+            cause: e.to_string(),
+        })?;
+        (std::sync::Arc::new(redis), None)
+    };
+    Ok((Store::new(sql, Some(fast), settings, metrics), memory))
+}
+
+impl Record {
+    /// The record for operators (`idemgate keys show`, `/admin/keys`):
+    /// state, epoch, lease, fingerprint, stored status and ages.
+    pub fn describe(&self, now: i64) -> serde_json::Value {
+        let age = |ms: i64| format!("{:.1}s", (now - ms) as f64 / 1000.0);
+        let left = |ms: i64| format!("{:.1}s", (ms - now) as f64 / 1000.0);
+        serde_json::json!({
+            "route": self.key.route,
+            "key": self.key.key,
+            "client_scope": self.key.scope,
+            "state": self.state.as_str(),
+            "epoch": self.epoch,
+            "lease_left": if self.state == RecordState::InFlight { Some(left(self.lease_until_ms)) } else { None },
+            "fingerprint": self.fingerprint,
+            "request_id": self.request_id,
+            "stored_status": self.response.as_ref().map(|r| r.status),
+            "stored_body_bytes": self.response.as_ref().map(|r| r.body.len()),
+            "body_kept": self.response.as_ref().map(|r| r.body_kept),
+            "age": age(self.created_at_ms),
+            "updated": age(self.updated_at_ms),
+            "expires_in": left(self.expires_at_ms),
+        })
+    }
+}

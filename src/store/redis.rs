@@ -1,0 +1,166 @@
+//! The Redis fast layer, shared by every gateway instance.
+//!
+//! `redis://…` uses one multiplexed connection behind a
+//! `ConnectionManager`, which reconnects by itself after Redis restarts;
+//! `redis+cluster://host:port,host:port` uses the crate's cluster client.
+//! The connection is made lazily, so the gateway starts (on the SQL path)
+//! while Redis is down. Values are [`super::codec`] entries under
+//! `<prefix><sha256 of the record key>`.
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncCommands, SetExpiry, SetOptions};
+use tokio::sync::OnceCell;
+
+use super::RecordKey;
+use super::codec::{FastEntry, decode_entry, encode_entry};
+use super::fast::{FastError, FastLayer, storage_key};
+use crate::metrics::FallbackLayer;
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+enum Target {
+    Single(ConnectionManager),
+    Cluster(Box<redis::cluster::ClusterClient>),
+}
+
+/// The Redis fast layer.
+pub struct RedisLayer {
+    target: Target,
+    cluster: OnceCell<ClusterConnection>,
+    prefix: String,
+}
+
+fn backend(e: redis::RedisError) -> FastError {
+    FastError::Backend(e.to_string())
+}
+
+impl RedisLayer {
+    /// A layer for `url`; connects on first use. `budget` bounds how long
+    /// a reconnect attempt may take.
+    pub fn new(url: &str, prefix: &str, budget: Duration) -> Result<RedisLayer, FastError> {
+        let target = if let Some(nodes) = url.strip_prefix("redis+cluster://") {
+            let nodes: Vec<String> = nodes
+                .trim_end_matches('/')
+                .split(',')
+                .map(|n| format!("redis://{n}"))
+                .collect();
+            Target::Cluster(Box::new(
+                redis::cluster::ClusterClient::new(nodes).map_err(backend)?,
+            ))
+        } else {
+            let client = redis::Client::open(url).map_err(backend)?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(budget.max(Duration::from_millis(200))))
+                .set_response_timeout(Some(budget.max(Duration::from_millis(200))))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            Target::Single(
+                client
+                    .get_connection_manager_lazy(config)
+                    .map_err(backend)?,
+            )
+        };
+        Ok(RedisLayer {
+            target,
+            cluster: OnceCell::new(),
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    async fn conn(&self) -> Result<Conn, FastError> {
+        match &self.target {
+            Target::Single(manager) => Ok(Conn::Single(manager.clone())),
+            Target::Cluster(client) => {
+                let conn = self
+                    .cluster
+                    .get_or_try_init(|| client.get_async_connection())
+                    .await
+                    .map_err(backend)?;
+                Ok(Conn::Cluster(conn.clone()))
+            }
+        }
+    }
+}
+
+macro_rules! with_conn {
+    ($conn:expr, $c:ident => $body:expr) => {
+        match $conn {
+            Conn::Single(mut $c) => $body,
+            Conn::Cluster(mut $c) => $body,
+        }
+    };
+}
+
+impl FastLayer for RedisLayer {
+    fn layer(&self) -> FallbackLayer {
+        FallbackLayer::Redis
+    }
+
+    fn get<'a>(
+        &'a self,
+        key: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
+        Box::pin(async move {
+            let name = storage_key(&self.prefix, key);
+            let value: Option<Vec<u8>> =
+                with_conn!(self.conn().await?, c => c.get(&name).await.map_err(backend)?);
+            value
+                .map(|bytes| decode_entry(&bytes).map_err(FastError::Corrupt))
+                .transpose()
+        })
+    }
+
+    fn mark<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, FastError>> {
+        Box::pin(async move {
+            let name = storage_key(&self.prefix, entry.key());
+            let options = SetOptions::default()
+                .conditional_set(redis::ExistenceCheck::NX)
+                .with_expiration(SetExpiry::PX(ttl.as_millis().max(1) as u64));
+            let set: Option<String> = with_conn!(self.conn().await?, c => {
+                c.set_options(&name, encode_entry(entry), options).await.map_err(backend)?
+            });
+            Ok(set.is_some())
+        })
+    }
+
+    fn put<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), FastError>> {
+        Box::pin(async move {
+            let name = storage_key(&self.prefix, entry.key());
+            let millis = ttl.as_millis().max(1) as u64;
+            with_conn!(self.conn().await?, c => {
+                c.pset_ex::<_, _, ()>(&name, encode_entry(entry), millis).await.map_err(backend)
+            })
+        })
+    }
+
+    fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>> {
+        Box::pin(async move {
+            let name = storage_key(&self.prefix, key);
+            with_conn!(self.conn().await?, c => c.del::<_, ()>(&name).await.map_err(backend))
+        })
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), FastError>> {
+        Box::pin(async move {
+            with_conn!(self.conn().await?, c => {
+                redis::cmd("PING").query_async::<String>(&mut c).await.map(|_| ()).map_err(backend)
+            })
+        })
+    }
+}

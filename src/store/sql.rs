@@ -1,0 +1,578 @@
+//! The durable record in Postgres or SQLite: the source of truth.
+//!
+//! Both databases run the same statements (`$N` placeholders work in both)
+//! against the same schema (`migrations/postgres`, `migrations/sqlite`: only
+//! type names differ). Every statement is a single atomic statement, so no
+//! read is ever followed by a dependent write in another statement:
+//!
+//! - claim: `INSERT … ON CONFLICT DO NOTHING RETURNING epoch` wins a fresh
+//!   key in one round trip. Otherwise one conditional `UPDATE … RETURNING`
+//!   takes over a record that may be taken (released, uncertain, lease
+//!   expired, retention expired) and bumps its epoch. Only when both found
+//!   nothing to take is the row read — to answer the client, never to decide
+//!   a write.
+//! - complete, release, mark uncertain, renew: `UPDATE … WHERE epoch = mine
+//!   AND state = 'in_flight'`. A holder whose lease was taken over finds zero
+//!   rows: its late write is refused (fencing).
+//!
+//! SQLite runs on one connection: its writers serialise anyway, and a single
+//! connection never meets `SQLITE_BUSY` from its own pool. The one
+//! multi-statement transaction (archiving) uses `BEGIN IMMEDIATE`, because a
+//! deferred `BEGIN` that reads then writes fails with `SQLITE_BUSY` without
+//! waiting for the busy timeout when another process (the CLI) writes.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{Connection, Row};
+
+use super::codec::{decode_headers, encode_headers};
+use super::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse, after_ms};
+
+/// Rows moved per sweep statement: small enough that a sweep never holds
+/// locks for long, large enough to keep up.
+pub const SWEEP_BATCH: i64 = 500;
+
+#[derive(Clone)]
+enum Pool {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
+}
+
+/// Runs `$body` with `$pool` bound to whichever pool this store has. The
+/// body is written once and compiled once per database.
+macro_rules! with_pool {
+    ($self:expr, $pool:ident => $body:expr) => {
+        match &$self.pool {
+            Pool::Postgres($pool) => $body,
+            Pool::Sqlite($pool) => $body,
+        }
+    };
+}
+
+/// The SQL record store.
+#[derive(Clone)]
+pub struct SqlStore {
+    pool: Pool,
+    timeout: Duration,
+}
+
+const CLAIM_INSERT: &str = "INSERT INTO idempotency_records \
+     (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, created_at, updated_at, expires_at, body_kept) \
+     VALUES ($1, $2, $3, $4, 'in_flight', 1, $5, $6, $7, $7, $8, FALSE) \
+     ON CONFLICT (scope, route, idem_key) DO NOTHING RETURNING epoch";
+
+// Takes over a record that may be claimed again. Retention-expired and
+// released records take any fingerprint (the key is free again); uncertain
+// and lease-expired ones only the same request.
+const CLAIM_TAKEOVER: &str = "UPDATE idempotency_records SET \
+     epoch = epoch + 1, state = 'in_flight', fingerprint = $4, lease_until = $5, request_id = $6, \
+     created_at = CASE WHEN expires_at <= $7 OR state = 'released' THEN $7 ELSE created_at END, \
+     updated_at = $7, expires_at = $8, status = NULL, headers = NULL, body = NULL, body_kept = FALSE \
+     WHERE scope = $1 AND route = $2 AND idem_key = $3 AND ( \
+       expires_at <= $7 OR state = 'released' \
+       OR (fingerprint = $4 AND (state = 'uncertain' OR (state = 'in_flight' AND lease_until <= $7))) \
+     ) RETURNING epoch";
+
+const SELECT_ONE: &str = "SELECT fingerprint, state, epoch, lease_until, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, scope, route, idem_key \
+     FROM idempotency_records WHERE scope = $1 AND route = $2 AND idem_key = $3";
+
+const SELECT_BY_ROUTE_KEY: &str = "SELECT fingerprint, state, epoch, lease_until, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, scope, route, idem_key \
+     FROM idempotency_records WHERE route = $1 AND idem_key = $2 ORDER BY scope";
+
+const COMPLETE: &str = "UPDATE idempotency_records SET \
+     state = 'completed', status = $5, headers = $6, body = $7, body_kept = $8, request_id = $9, \
+     lease_until = 0, updated_at = $10, expires_at = $11 \
+     WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
+
+const SET_STATE: &str = "UPDATE idempotency_records SET state = $5, lease_until = 0, updated_at = $6 \
+     WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
+
+const RENEW: &str = "UPDATE idempotency_records SET lease_until = $5 \
+     WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
+
+const PURGE_ONE: &str =
+    "DELETE FROM idempotency_records WHERE scope = $1 AND route = $2 AND idem_key = $3";
+const PURGE_ALL_SCOPES: &str = "DELETE FROM idempotency_records WHERE route = $1 AND idem_key = $2";
+
+// A row is sweepable once its retention is over, unless it is still held
+// under a live lease. The condition is repeated in the outer statement so
+// that Postgres re-checks it on a row a concurrent takeover just renewed.
+const SWEEP_DELETE: &str = "DELETE FROM idempotency_records WHERE id IN ( \
+       SELECT id FROM idempotency_records \
+       WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) ORDER BY id LIMIT $2) \
+     AND expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1)";
+
+const SWEEP_ARCHIVE_PG: &str = "WITH moved AS ( \
+       DELETE FROM idempotency_records WHERE id IN ( \
+         SELECT id FROM idempotency_records \
+         WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) ORDER BY id LIMIT $2) \
+       AND expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
+       RETURNING id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at) \
+     INSERT INTO idempotency_archive (id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, archived_at) \
+     SELECT id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, $1 FROM moved";
+
+const SWEEP_ARCHIVE_COPY_SQLITE: &str = "INSERT INTO idempotency_archive \
+     (id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, archived_at) \
+     SELECT id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, $1 \
+     FROM idempotency_records WHERE id IN ( \
+       SELECT id FROM idempotency_records \
+       WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) ORDER BY id LIMIT $2)";
+
+const COUNT_ARCHIVE: &str = "SELECT COUNT(*) FROM idempotency_archive";
+
+/// Connection settings of the SQL store.
+#[derive(Debug, Clone)]
+pub struct SqlSettings {
+    pub url: String,
+    pub pool_size: u32,
+    /// Bound on every operation, and on waiting for a pooled connection.
+    pub timeout: Duration,
+}
+
+impl SqlStore {
+    /// Connects (creating a SQLite file and its directory when missing).
+    pub async fn connect(settings: &SqlSettings) -> Result<SqlStore, StoreError> {
+        let unavailable = |e: sqlx::Error| StoreError::Unavailable {
+            op: "connect",
+            cause: e.to_string(),
+        };
+        let pool = if settings.url.starts_with("sqlite:") {
+            let options = SqliteConnectOptions::from_str(&settings.url)
+                .map_err(unavailable)?
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                // FULL: a claim must survive power loss, or a retry after
+                // the crash could execute the request a second time.
+                .synchronous(SqliteSynchronous::Full)
+                .busy_timeout(settings.timeout);
+            if let Some(dir) = options.get_filename().parent()
+                && !dir.as_os_str().is_empty()
+            {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            // One permanent connection (an in-memory database lives and
+            // dies with its connection, so it must never be recycled).
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .acquire_timeout(settings.timeout)
+                .connect_with(options)
+                .await
+                .map_err(unavailable)?;
+            Pool::Sqlite(pool)
+        } else {
+            let statement_timeout = settings.timeout.as_millis().to_string();
+            let options = PgConnectOptions::from_str(&settings.url)
+                .map_err(unavailable)?
+                // The server abandons a query the gateway has given up on,
+                // instead of holding its locks.
+                .options([("statement_timeout", statement_timeout.as_str())]);
+            let pool = PgPoolOptions::new()
+                .max_connections(settings.pool_size)
+                .acquire_timeout(settings.timeout)
+                .connect_with(options)
+                .await
+                .map_err(unavailable)?;
+            Pool::Postgres(pool)
+        };
+        Ok(SqlStore {
+            pool,
+            timeout: settings.timeout,
+        })
+    }
+
+    /// Applies the migrations of this store's database.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let result = match &self.pool {
+            Pool::Postgres(pool) => sqlx::migrate!("./migrations/postgres").run(pool).await,
+            Pool::Sqlite(pool) => sqlx::migrate!("./migrations/sqlite").run(pool).await,
+        };
+        result.map_err(|e| StoreError::Migrate(e.to_string()))
+    }
+
+    /// `postgres` or `sqlite`.
+    pub fn backend(&self) -> &'static str {
+        match self.pool {
+            Pool::Postgres(_) => "postgres",
+            Pool::Sqlite(_) => "sqlite",
+        }
+    }
+
+    /// Bounds one operation by `store.timeout` and names it in errors.
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        work: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, work).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(StoreError::Unavailable {
+                op,
+                cause: e.to_string(),
+            }),
+            Err(_) => Err(StoreError::Timeout {
+                op,
+                after: self.timeout,
+            }),
+        }
+    }
+
+    /// `SELECT 1`, for `/readyz`.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.bounded("ping", async {
+            with_pool!(self, pool => sqlx::query("SELECT 1").execute(pool).await.map(|_| ()))
+        })
+        .await
+    }
+
+    /// Claims `key` for a request with `fingerprint` (see the module docs).
+    pub async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        request_id: &str,
+        now: i64,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Claim, StoreError> {
+        let lease_until = after_ms(now, lease);
+        let expires_at = after_ms(now, retention);
+        // A record deleted (purged, swept) between our statements makes the
+        // read below find nothing; the loop then simply claims again.
+        for _ in 0..3 {
+            let won: Option<i64> = self
+                .bounded("claim", async {
+                    with_pool!(self, pool => {
+                        sqlx::query(CLAIM_INSERT)
+                            .bind(&key.scope).bind(&key.route).bind(&key.key).bind(fingerprint)
+                            .bind(lease_until).bind(request_id).bind(now).bind(expires_at)
+                            .fetch_optional(pool).await
+                            .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
+                    })
+                })
+                .await?;
+            if let Some(epoch) = won {
+                return Ok(Claim::Won { epoch });
+            }
+            let taken: Option<i64> = self
+                .bounded("claim", async {
+                    with_pool!(self, pool => {
+                        sqlx::query(CLAIM_TAKEOVER)
+                            .bind(&key.scope).bind(&key.route).bind(&key.key).bind(fingerprint)
+                            .bind(lease_until).bind(request_id).bind(now).bind(expires_at)
+                            .fetch_optional(pool).await
+                            .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
+                    })
+                })
+                .await?;
+            if let Some(epoch) = taken {
+                return Ok(Claim::Won { epoch });
+            }
+            let Some(record) = self.get(key).await? else {
+                continue;
+            };
+            return Ok(answer_for(&record, fingerprint, now));
+        }
+        Err(StoreError::Unavailable {
+            op: "claim",
+            cause: "the record kept disappearing between statements".into(),
+        })
+    }
+
+    /// Reads one record.
+    pub async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let row = self
+            .bounded("get", async {
+                with_pool!(self, pool => {
+                    match sqlx::query(SELECT_ONE)
+                        .bind(&key.scope).bind(&key.route).bind(&key.key)
+                        .fetch_optional(pool).await?
+                    {
+                        Some(row) => Ok(Some(RawRecord::read(&row)?)),
+                        None => Ok(None),
+                    }
+                })
+            })
+            .await?;
+        row.map(RawRecord::into_record).transpose()
+    }
+
+    /// Every record of `route` and `key`, whatever the client scope.
+    pub async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
+        let rows = self
+            .bounded("find", async {
+                with_pool!(self, pool => {
+                    let rows = sqlx::query(SELECT_BY_ROUTE_KEY)
+                        .bind(route).bind(key)
+                        .fetch_all(pool).await?;
+                    rows.iter().map(RawRecord::read).collect::<Result<Vec<_>, _>>()
+                })
+            })
+            .await?;
+        rows.into_iter().map(RawRecord::into_record).collect()
+    }
+
+    /// Stores the outcome; false when `epoch` no longer holds the claim.
+    pub async fn complete(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        response: &StoredResponse,
+        now: i64,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let headers = encode_headers(&response.headers);
+        let expires_at = after_ms(now, retention);
+        let status = i32::from(response.status);
+        self.bounded("complete", async {
+            with_pool!(self, pool => {
+                sqlx::query(COMPLETE)
+                    .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
+                    .bind(status).bind(&headers).bind(response.body.as_ref())
+                    .bind(response.body_kept).bind(&response.request_id)
+                    .bind(now).bind(expires_at)
+                    .execute(pool).await.map(|r| r.rows_affected() == 1)
+            })
+        })
+        .await
+    }
+
+    /// Gives the claim up (nothing happened upstream); false when `epoch`
+    /// no longer holds it.
+    pub async fn release(&self, key: &RecordKey, epoch: i64, now: i64) -> Result<bool, StoreError> {
+        self.set_state(key, epoch, RecordState::Released, now, "release")
+            .await
+    }
+
+    /// Records that the outcome is unknown; the next retry may take over.
+    pub async fn mark_uncertain(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        now: i64,
+    ) -> Result<bool, StoreError> {
+        self.set_state(key, epoch, RecordState::Uncertain, now, "mark_uncertain")
+            .await
+    }
+
+    async fn set_state(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        state: RecordState,
+        now: i64,
+        op: &'static str,
+    ) -> Result<bool, StoreError> {
+        self.bounded(op, async {
+            with_pool!(self, pool => {
+                sqlx::query(SET_STATE)
+                    .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
+                    .bind(state.as_str()).bind(now)
+                    .execute(pool).await.map(|r| r.rows_affected() == 1)
+            })
+        })
+        .await
+    }
+
+    /// Extends a running claim's lease; false when it was taken over.
+    pub async fn renew(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        lease_until: i64,
+    ) -> Result<bool, StoreError> {
+        self.bounded("renew", async {
+            with_pool!(self, pool => {
+                sqlx::query(RENEW)
+                    .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
+                    .bind(lease_until)
+                    .execute(pool).await.map(|r| r.rows_affected() == 1)
+            })
+        })
+        .await
+    }
+
+    /// Deletes one record, or with `scope = None` the key in every scope.
+    pub async fn purge(
+        &self,
+        route: &str,
+        key: &str,
+        scope: Option<&str>,
+    ) -> Result<u64, StoreError> {
+        self.bounded("purge", async {
+            with_pool!(self, pool => {
+                match scope {
+                    Some(scope) => sqlx::query(PURGE_ONE).bind(scope).bind(route).bind(key)
+                        .execute(pool).await,
+                    None => sqlx::query(PURGE_ALL_SCOPES).bind(route).bind(key)
+                        .execute(pool).await,
+                }
+                .map(|r| r.rows_affected())
+            })
+        })
+        .await
+    }
+
+    /// Removes (or archives) one batch of expired records; returns how many.
+    pub async fn sweep_batch(&self, now: i64, archive: bool) -> Result<u64, StoreError> {
+        self.bounded("sweep", async {
+            match (&self.pool, archive) {
+                (Pool::Postgres(pool), false) => sqlx::query(SWEEP_DELETE)
+                    .bind(now)
+                    .bind(SWEEP_BATCH)
+                    .execute(pool)
+                    .await
+                    .map(|r| r.rows_affected()),
+                (Pool::Postgres(pool), true) => sqlx::query(SWEEP_ARCHIVE_PG)
+                    .bind(now)
+                    .bind(SWEEP_BATCH)
+                    .execute(pool)
+                    .await
+                    .map(|r| r.rows_affected()),
+                (Pool::Sqlite(pool), false) => sqlx::query(SWEEP_DELETE)
+                    .bind(now)
+                    .bind(SWEEP_BATCH)
+                    .execute(pool)
+                    .await
+                    .map(|r| r.rows_affected()),
+                (Pool::Sqlite(pool), true) => {
+                    // Copy then delete the same batch inside one write
+                    // transaction: the subqueries see the same rows because
+                    // no other writer can run until COMMIT.
+                    let mut conn = pool.acquire().await?;
+                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                    let copied = sqlx::query(SWEEP_ARCHIVE_COPY_SQLITE)
+                        .bind(now)
+                        .bind(SWEEP_BATCH)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected();
+                    sqlx::query(SWEEP_DELETE)
+                        .bind(now)
+                        .bind(SWEEP_BATCH)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok(copied)
+                }
+            }
+        })
+        .await
+    }
+
+    /// Rows in the archive table (operators, tests).
+    pub async fn archived(&self) -> Result<i64, StoreError> {
+        self.bounded("archived", async {
+            with_pool!(self, pool => {
+                sqlx::query(COUNT_ARCHIVE).fetch_one(pool).await?.try_get::<i64, _>(0)
+            })
+        })
+        .await
+    }
+}
+
+/// What a claim answers when the record exists and could not be taken.
+fn answer_for(record: &Record, fingerprint: &str, now: i64) -> Claim {
+    if record.fingerprint != fingerprint {
+        return Claim::Mismatch;
+    }
+    match (&record.state, &record.response) {
+        (RecordState::Completed, Some(response)) => Claim::Completed(response.clone()),
+        _ => {
+            let left = (record.lease_until_ms - now).max(0) as u64;
+            Claim::InFlight {
+                retry_after: Duration::from_millis(left),
+            }
+        }
+    }
+}
+
+/// A row as read, before decoding.
+struct RawRecord {
+    fingerprint: String,
+    state: String,
+    epoch: i64,
+    lease_until: i64,
+    request_id: String,
+    status: Option<i32>,
+    headers: Option<Vec<u8>>,
+    body: Option<Vec<u8>>,
+    body_kept: bool,
+    created_at: i64,
+    updated_at: i64,
+    expires_at: i64,
+    scope: String,
+    route: String,
+    key: String,
+}
+
+impl RawRecord {
+    fn read<'r, R>(row: &'r R) -> Result<RawRecord, sqlx::Error>
+    where
+        R: Row,
+        usize: sqlx::ColumnIndex<R>,
+        String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        bool: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        Ok(RawRecord {
+            fingerprint: row.try_get(0)?,
+            state: row.try_get(1)?,
+            epoch: row.try_get(2)?,
+            lease_until: row.try_get(3)?,
+            request_id: row.try_get(4)?,
+            status: row.try_get(5)?,
+            headers: row.try_get(6)?,
+            body: row.try_get(7)?,
+            body_kept: row.try_get(8)?,
+            created_at: row.try_get(9)?,
+            updated_at: row.try_get(10)?,
+            expires_at: row.try_get(11)?,
+            scope: row.try_get(12)?,
+            route: row.try_get(13)?,
+            key: row.try_get(14)?,
+        })
+    }
+
+    fn into_record(self) -> Result<Record, StoreError> {
+        let state = RecordState::parse(&self.state)?;
+        let response = match (state, self.status) {
+            (RecordState::Completed, Some(status)) => Some(StoredResponse {
+                status: u16::try_from(status)
+                    .map_err(|_| StoreError::Corrupt(format!("status {status}")))?,
+                headers: decode_headers(self.headers.as_deref().unwrap_or_default())
+                    .map_err(StoreError::Corrupt)?,
+                body: Bytes::from(self.body.unwrap_or_default()),
+                body_kept: self.body_kept,
+                request_id: self.request_id.clone(),
+            }),
+            _ => None,
+        };
+        Ok(Record {
+            key: RecordKey {
+                scope: self.scope,
+                route: self.route,
+                key: self.key,
+            },
+            fingerprint: self.fingerprint,
+            state,
+            epoch: self.epoch,
+            lease_until_ms: self.lease_until,
+            request_id: self.request_id,
+            response,
+            created_at_ms: self.created_at,
+            updated_at_ms: self.updated_at,
+            expires_at_ms: self.expires_at,
+        })
+    }
+}

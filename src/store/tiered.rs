@@ -1,0 +1,309 @@
+//! [`Store`]: the fast layer in front of the SQL record.
+//!
+//! Claim protocol, in order:
+//! 1. Read the fast layer (bounded by `store.fast_layer_budget`). A verified
+//!    completed entry with the same fingerprint is replayed; a verified
+//!    in-flight marker with the same fingerprint is answered "in flight".
+//!    Neither touches SQL. Anything else — no entry, another fingerprint, a
+//!    foreign or corrupt value — goes on.
+//! 2. Place an in-flight marker with `SET NX PX` (lease). Losing that race
+//!    means a duplicate is running: "in flight", no SQL.
+//! 3. Claim in SQL — always, for every request that could win. SQL decides;
+//!    the marker only spares SQL the duplicates. If SQL says anything but
+//!    "won" (Redis had lost its keys), the marker is removed again and a
+//!    completed outcome is written back to the fast layer.
+//!
+//! A fast-layer error or timeout at any step skips the fast layer for this
+//! request and is counted in `idemgate_store_fallback_total{layer}`; it can
+//! never let a duplicate through because step 3 always runs. Writes after
+//! the claim go to SQL first (the truth) and to the fast layer second, best
+//! effort.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::codec::FastEntry;
+use super::fast::FastLayer;
+use super::sql::SqlStore;
+use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
+use crate::metrics::Metrics;
+
+/// Timing settings of the store (from `[store]`).
+#[derive(Debug, Clone, Copy)]
+pub struct StoreSettings {
+    pub lease: Duration,
+    pub retention: Duration,
+    pub fast_layer_budget: Duration,
+}
+
+/// The store the gateway uses.
+#[derive(Clone)]
+pub struct Store {
+    sql: SqlStore,
+    fast: Option<Arc<dyn FastLayer>>,
+    settings: StoreSettings,
+    metrics: Arc<Metrics>,
+}
+
+impl Store {
+    /// Composes `sql` with an optional fast layer.
+    pub fn new(
+        sql: SqlStore,
+        fast: Option<Arc<dyn FastLayer>>,
+        settings: StoreSettings,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Store {
+            sql,
+            fast,
+            settings,
+            metrics,
+        }
+    }
+
+    /// The SQL record store.
+    pub fn sql(&self) -> &SqlStore {
+        &self.sql
+    }
+
+    /// The timing settings.
+    pub fn settings(&self) -> StoreSettings {
+        self.settings
+    }
+
+    /// Runs one fast-layer call within the budget. `None` means "skip the
+    /// fast layer": the failure is counted and logged here.
+    async fn fast<T, E: std::fmt::Display>(
+        &self,
+        op: &'static str,
+        call: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Option<T> {
+        let fast = self.fast.as_ref()?;
+        match tokio::time::timeout(self.settings.fast_layer_budget, call).await {
+            Ok(Ok(value)) => Some(value),
+            Ok(Err(e)) => {
+                self.metrics.fallback(fast.layer());
+                tracing::debug!(op, error = %e, layer = "fast", "fast layer failed; using SQL");
+                None
+            }
+            Err(_) => {
+                self.metrics.fallback(fast.layer());
+                tracing::debug!(op, budget = ?self.settings.fast_layer_budget, layer = "fast", "fast layer too slow; using SQL");
+                None
+            }
+        }
+    }
+
+    /// Claims `key` for the request with `fingerprint`.
+    pub async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        request_id: &str,
+    ) -> Result<Claim, StoreError> {
+        let started = Instant::now();
+        let mut marked = false;
+        if let Some(fast) = &self.fast {
+            match self.fast("get", fast.get(key)).await {
+                Some(Some(entry)) if entry.key() == key && entry.fingerprint() == fingerprint => {
+                    match entry {
+                        FastEntry::Completed { response, .. } => {
+                            return Ok(Claim::Completed(response));
+                        }
+                        FastEntry::InFlight { .. } => {
+                            return Ok(Claim::InFlight {
+                                retry_after: self.settings.lease,
+                            });
+                        }
+                    }
+                }
+                Some(Some(entry)) if entry.key() != key => {
+                    // A value that is not ours under our key: never trust
+                    // it, let SQL decide, and count it.
+                    self.metrics.fallback(fast.layer());
+                    tracing::warn!(route = %key.route, key = %key.escaped(), layer = "fast", "foreign fast-layer value ignored");
+                }
+                Some(Some(_)) => {} // another fingerprint: SQL answers (422)
+                Some(None) => {
+                    let marker = FastEntry::InFlight {
+                        key: key.clone(),
+                        fingerprint: fingerprint.to_owned(),
+                    };
+                    match self
+                        .fast("mark", fast.mark(&marker, self.settings.lease))
+                        .await
+                    {
+                        Some(true) => marked = true,
+                        Some(false) => {
+                            return Ok(Claim::InFlight {
+                                retry_after: self.settings.lease,
+                            });
+                        }
+                        None => {}
+                    }
+                }
+                None => {}
+            }
+        }
+        let claim = self
+            .sql
+            .claim(
+                key,
+                fingerprint,
+                request_id,
+                now_ms(),
+                self.settings.lease,
+                self.settings.retention,
+            )
+            .await;
+        self.metrics.store_latency.observe(started.elapsed());
+        if let Some(fast) = &self.fast {
+            match &claim {
+                Ok(Claim::Won { .. }) => {}
+                Ok(Claim::Completed(response)) => {
+                    let entry = FastEntry::Completed {
+                        key: key.clone(),
+                        fingerprint: fingerprint.to_owned(),
+                        response: response.clone(),
+                    };
+                    self.fast("put", fast.put(&entry, self.settings.retention))
+                        .await;
+                }
+                _ if marked => {
+                    self.fast("remove", fast.remove(key)).await;
+                }
+                _ => {}
+            }
+        }
+        claim
+    }
+
+    /// Records the outcome; false when the claim was taken over meanwhile
+    /// (the late write is refused and nothing is cached).
+    pub async fn complete(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        fingerprint: &str,
+        response: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        let started = Instant::now();
+        let accepted = self
+            .sql
+            .complete(key, epoch, response, now_ms(), self.settings.retention)
+            .await?;
+        self.metrics.store_latency.observe(started.elapsed());
+        if accepted && let Some(fast) = &self.fast {
+            let entry = FastEntry::Completed {
+                key: key.clone(),
+                fingerprint: fingerprint.to_owned(),
+                response: response.clone(),
+            };
+            self.fast("put", fast.put(&entry, self.settings.retention))
+                .await;
+        }
+        Ok(accepted)
+    }
+
+    /// Gives the claim up: the request had no effect upstream.
+    pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        let released = self.sql.release(key, epoch, now_ms()).await?;
+        self.forget(key).await;
+        Ok(released)
+    }
+
+    /// The outcome is unknown: the next retry is forwarded again.
+    pub async fn mark_uncertain(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        let marked = self.sql.mark_uncertain(key, epoch, now_ms()).await?;
+        self.forget(key).await;
+        Ok(marked)
+    }
+
+    /// Extends the lease of a running claim.
+    pub async fn renew(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        let until = super::after_ms(now_ms(), self.settings.lease);
+        self.sql.renew(key, epoch, until).await
+    }
+
+    /// The record a waiting duplicate polls, if it still has `fingerprint`.
+    pub async fn completed(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+    ) -> Result<Option<Record>, StoreError> {
+        let record = self.sql.get(key).await?;
+        Ok(record.filter(|r| r.fingerprint == fingerprint))
+    }
+
+    /// Reads one record from SQL.
+    pub async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.sql.get(key).await
+    }
+
+    /// Every record of `route`/`key` across client scopes.
+    pub async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
+        self.sql.find(route, key).await
+    }
+
+    /// Removes records from SQL and the fast layer; returns how many.
+    pub async fn purge(
+        &self,
+        route: &str,
+        key: &str,
+        scope: Option<&str>,
+    ) -> Result<u64, StoreError> {
+        let keys: Vec<RecordKey> = match scope {
+            Some(scope) => vec![RecordKey::new(scope, route, key)],
+            None => self
+                .sql
+                .find(route, key)
+                .await?
+                .into_iter()
+                .map(|r| r.key)
+                .collect(),
+        };
+        let removed = self.sql.purge(route, key, scope).await?;
+        for k in &keys {
+            self.forget(k).await;
+        }
+        Ok(removed)
+    }
+
+    async fn forget(&self, key: &RecordKey) {
+        if let Some(fast) = &self.fast {
+            self.fast("remove", fast.remove(key)).await;
+        }
+    }
+
+    /// SQL reachable, and the fast layer's state, for `/readyz`.
+    pub async fn readiness(&self) -> (Result<(), StoreError>, Option<Result<(), String>>) {
+        let sql = self.sql.ping().await;
+        let fast = match &self.fast {
+            None => None,
+            Some(fast) => Some(
+                match tokio::time::timeout(
+                    self.settings
+                        .fast_layer_budget
+                        .max(Duration::from_millis(500)),
+                    fast.ping(),
+                )
+                .await
+                {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("timed out".into()),
+                },
+            ),
+        };
+        (sql, fast)
+    }
+
+    /// The fast layer's kind, for logs and `/readyz`.
+    pub fn fast_layer_name(&self) -> &'static str {
+        match self.fast.as_ref().map(|f| f.layer()) {
+            Some(crate::metrics::FallbackLayer::Redis) => "redis",
+            Some(crate::metrics::FallbackLayer::Memory) => "memory",
+            None => "none",
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! Real services for tests: the shared Postgres and Redis (each test in its
+//! own schema / key prefix), private Redis instances on free ports for
+//! fault tests, and a TCP fault proxy.
+//!
+//! A missing service skips the test loudly, by name — or fails it when
+//! `CI=true`.
+#![allow(dead_code, unreachable_pub)]
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+
+pub const POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// Reports a missing service: a loud skip, or a failure in CI.
+pub fn missing(service: &str, test: &str, why: &str) {
+    if in_ci() {
+        panic!("{service} is required when CI=true ({test}): {why}");
+    }
+    // Straight to the process's stderr: libtest captures `eprintln!` of
+    // passing tests, and a skip must be seen.
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "SKIPPED (no {service}): {test}: {why}");
+}
+
+/// A fresh schema in the shared Postgres; the URL points into it.
+pub async fn postgres(test: &str) -> Option<String> {
+    let base = std::env::var("IDEMGATE_TEST_DATABASE_URL").unwrap_or_else(|_| POSTGRES_URL.into());
+    let schema = format!("t_{}", uuid::Uuid::now_v7().simple());
+    let connect = async {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&base).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&mut conn)
+            .await?;
+        conn.close().await
+    };
+    match tokio::time::timeout(Duration::from_secs(5), connect).await {
+        Ok(Ok(())) => {
+            let sep = if base.contains('?') { '&' } else { '?' };
+            Some(format!("{base}{sep}options[search_path]={schema}"))
+        }
+        Ok(Err(e)) => {
+            missing("Postgres", test, &e.to_string());
+            None
+        }
+        Err(_) => {
+            missing("Postgres", test, "connect timed out");
+            None
+        }
+    }
+}
+
+/// The shared Redis, if it answers, with a key prefix unique to this test.
+pub async fn redis(test: &str) -> Option<(String, String)> {
+    let url = std::env::var("IDEMGATE_TEST_REDIS_URL").unwrap_or_else(|_| REDIS_URL.into());
+    let ping = async {
+        let client = redis::Client::open(url.as_str())?;
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("PING").query_async::<String>(&mut conn).await
+    };
+    match tokio::time::timeout(Duration::from_secs(3), ping).await {
+        Ok(Ok(_)) => Some((url, format!("t_{}:", uuid::Uuid::now_v7().simple()))),
+        Ok(Err(e)) => {
+            missing("Redis", test, &e.to_string());
+            None
+        }
+        Err(_) => {
+            missing("Redis", test, "ping timed out");
+            None
+        }
+    }
+}
+
+/// A redis-server of this test's own, on a free port.
+pub struct PrivateRedis {
+    pub port: u16,
+    child: Child,
+}
+
+impl PrivateRedis {
+    pub async fn start(test: &str) -> Option<PrivateRedis> {
+        let port = super::dead_port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let child = match child {
+            Ok(child) => child,
+            Err(e) => {
+                missing("Redis", test, &format!("redis-server: {e}"));
+                return None;
+            }
+        };
+        let redis = PrivateRedis { port, child };
+        for _ in 0..100 {
+            if redis.ping().await {
+                return Some(redis);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        missing("Redis", test, "private redis-server did not start");
+        None
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub async fn ping(&self) -> bool {
+        let url = self.url();
+        let ping = async {
+            let client = redis::Client::open(url.as_str())?;
+            let mut conn = client.get_multiplexed_async_connection().await?;
+            redis::cmd("PING").query_async::<String>(&mut conn).await
+        };
+        matches!(
+            tokio::time::timeout(Duration::from_millis(500), ping).await,
+            Ok(Ok(_))
+        )
+    }
+
+    pub async fn flushall(&self) {
+        let client = redis::Client::open(self.url().as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("FLUSHALL")
+            .query_async::<()>(&mut conn)
+            .await
+            .unwrap();
+    }
+
+    /// `kill -9`.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// `kill -STOP` / `kill -CONT`.
+    pub fn signal(&self, signal: &str) {
+        let _ = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status();
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A TCP proxy that can be told to misbehave.
+pub struct FaultProxy {
+    pub port: u16,
+    mode: tokio::sync::watch::Sender<Mode>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Mode {
+    /// Forward bytes both ways.
+    Pass,
+    /// Accept and read, never forward or answer: the peer hangs.
+    Blackhole,
+    /// Close every connection at once.
+    Refuse,
+}
+
+impl FaultProxy {
+    pub async fn start(target: std::net::SocketAddr) -> FaultProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (mode, watch) = tokio::sync::watch::channel(Mode::Pass);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                let mut watch = watch.clone();
+                tokio::spawn(async move {
+                    // Mark the current mode seen, so only later changes cut
+                    // this connection.
+                    let current = *watch.borrow_and_update();
+                    match current {
+                        Mode::Refuse => return,
+                        Mode::Blackhole => {
+                            let _ = watch.wait_for(|m| *m == Mode::Refuse).await;
+                            return;
+                        }
+                        Mode::Pass => {}
+                    }
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    // Any change of mode cuts live connections (a blackhole
+                    // then hangs the reconnect, a refusal resets it).
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = watch.changed() => {
+                            let _ = inbound.shutdown().await;
+                        }
+                    }
+                });
+            }
+        });
+        FaultProxy { port, mode, task }
+    }
+
+    pub fn set(&self, mode: Mode) {
+        let _ = self.mode.send(mode);
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
