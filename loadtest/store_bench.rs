@@ -16,7 +16,9 @@ use idemgate::store::{Claim, RecordKey, Store, StoreSettings, StoredResponse};
 #[tokio::main]
 async fn main() {
     let mut args = std::env::args().skip(1);
-    let url = args.next().unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".into());
+    let url = args
+        .next()
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".into());
     let seconds: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
     let levels: Vec<usize> = args
         .next()
@@ -65,7 +67,10 @@ async fn main() {
                     let key = RecordKey::new("bench", &run, format!("c{concurrency}-w{w}-{i}"));
                     i += 1;
                     if let Ok(Claim::Won { epoch }) = store.claim(&key, "fp", "bench").await
-                        && store.complete(&key, epoch, "fp", &response).await.unwrap_or(false)
+                        && store
+                            .complete(&key, epoch, "fp", &response)
+                            .await
+                            .unwrap_or(false)
                     {
                         done.fetch_add(1, Ordering::Relaxed);
                     }

@@ -78,11 +78,26 @@ Idemgate demo is running.
 
 Try it (another terminal):
 
-  # pass-through: the request reaches the upstream unchanged
-  curl -s {g}/orders/ord_unknown
+  # 1. A one-time token, then an order placed with it
+  TOKEN=$(curl -s -X POST '{g}/token?route=create-order' | sed 's/.*"token":"\([^"]*\)".*/\1/')
+  curl -s -i -X POST {g}/orders -H "Idempotency-Token: $TOKEN" -d '{{"item":"book","amount":100}}'
 
-  # what really executed upstream so far
+  # 2. The same request again (a double click, a client retry): replayed,
+  #    with Idempotent-Replayed: true; the upstream is not called
+  curl -s -i -X POST {g}/orders -H "Idempotency-Token: $TOKEN" -d '{{"item":"book","amount":100}}'
+
+  # 3. The same token for another order: 422
+  curl -s -i -X POST {g}/orders -H "Idempotency-Token: $TOKEN" -d '{{"item":"pen","amount":1}}'
+
+  # 4. An API call with an Idempotency-Key, sent twice
+  curl -s -i -X POST {g}/coupons/deduct -H 'Idempotency-Key: deduct-42' -d '{{"coupon":"C1","order_id":"ord_1"}}'
+  curl -s -i -X POST {g}/coupons/deduct -H 'Idempotency-Key: deduct-42' -d '{{"coupon":"C1","order_id":"ord_1"}}'
+
+  # 5. What really executed upstream: one order, one deduction
   curl -s http://{upstream}/stats
+
+  # Reads pass straight through
+  curl -s {g}/orders/ord_unknown
 
 Stop with Ctrl-C.
 "#,

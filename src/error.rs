@@ -23,6 +23,12 @@ pub struct Problem {
     reason: &'static str,
     title: &'static str,
     detail: String,
+    /// Rarely set, so boxed: keeps `Result<_, Problem>` small.
+    extras: Option<Box<Extras>>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Extras {
     retry_after: Option<u64>,
     allow: Option<String>,
     log: Option<ProblemLog>,
@@ -53,10 +59,12 @@ impl Problem {
             reason,
             title,
             detail: title.to_owned(),
-            retry_after: None,
-            allow: None,
-            log: None,
+            extras: None,
         }
+    }
+
+    fn extras(&mut self) -> &mut Extras {
+        self.extras.get_or_insert_with(Box::default)
     }
 
     /// The client-facing explanation.
@@ -67,19 +75,19 @@ impl Problem {
 
     /// Adds `Retry-After: secs`.
     pub fn retry_after(mut self, secs: u64) -> Self {
-        self.retry_after = Some(secs);
+        self.extras().retry_after = Some(secs);
         self
     }
 
     /// Adds `Allow` (for 405).
     pub fn allow(mut self, methods: String) -> Self {
-        self.allow = Some(methods);
+        self.extras().allow = Some(methods);
         self
     }
 
     /// Records the internal cause for the log line.
     pub fn logged(mut self, layer: &'static str, cause: impl Into<String>) -> Self {
-        self.log = Some(ProblemLog {
+        self.extras().log = Some(ProblemLog {
             layer,
             cause: cause.into(),
         });
@@ -110,14 +118,15 @@ impl Problem {
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(secs) = self.retry_after {
+        let extras = self.extras.map(|e| *e).unwrap_or_default();
+        if let Some(secs) = extras.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
-        if let Some(allow) = self.allow.and_then(|a| HeaderValue::from_str(&a).ok()) {
+        if let Some(allow) = extras.allow.and_then(|a| HeaderValue::from_str(&a).ok()) {
             headers.insert(header::ALLOW, allow);
         }
         response.extensions_mut().insert(ProblemReason(self.reason));
-        if let Some(log) = self.log {
+        if let Some(log) = extras.log {
             response.extensions_mut().insert(log);
         }
         response
@@ -208,6 +217,41 @@ impl From<&crate::store::StoreError> for Problem {
         .detail("the request was not forwarded; retry later with the same key")
         .retry_after(1)
         .logged("store", e.to_string())
+    }
+}
+
+impl From<&crate::idempotency::IdempotencyError> for Problem {
+    fn from(e: &crate::idempotency::IdempotencyError) -> Self {
+        use crate::idempotency::IdempotencyError as E;
+        match e {
+            E::BodyTooLarge { limit } => Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "The request body is larger than the gateway accepts",
+            )
+            .detail(format!(
+                "request bodies are limited to {limit} bytes; nothing was forwarded or stored"
+            )),
+            E::BadBody(_) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "bad-request-body",
+                "The request body could not be read",
+            ),
+            E::Mismatch => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency-key-reused",
+                "This idempotency key was already used for a different request",
+            )
+            .detail("use a new key for a new request; a retry must repeat the same method, path, query and body"),
+            E::InFlight { retry_after } => Problem::new(
+                StatusCode::CONFLICT,
+                "request-in-flight",
+                "A request with this idempotency key is still being processed",
+            )
+            .detail("retry later with the same key to receive its outcome")
+            .retry_after(retry_after.as_secs_f64().ceil().clamp(1.0, 60.0) as u64),
+            E::Store(store) => Problem::from(store),
+        }
     }
 }
 

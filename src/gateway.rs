@@ -12,13 +12,20 @@ use tower::ServiceBuilder;
 use tower::util::BoxCloneSyncService;
 use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 
-use crate::config::{Config, Idempotency, RouteKind, RouteMatcher};
+use std::collections::BTreeSet;
+
+use http::HeaderName;
+use tower::Layer;
+
+use crate::config::{Config, Idempotency, PathMatch, RouteKind, RouteMatcher};
+use crate::idempotency::{Engine, EngineSettings, IdempotencyLayer, KeyPolicy};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Upstream, build_client};
 use crate::request_id::{MakeRequestUuidV7, X_REQUEST_ID};
 use crate::router::{Route, RouteService, Router};
 use crate::server::{self, ConnLimits, PeerService, ShutdownTrigger};
 use crate::store::Store;
+use crate::token::{TokenEndpoint, TokenKeys, TokenPolicy};
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -93,7 +100,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         config.store.sweep_interval.get(),
         config.store.archive,
     );
-    let router = build_router(&config, &metrics)?;
+    let router = build_router(&config, &metrics, &store)?;
     let app: RouteService = BoxCloneSyncService::new(
         ServiceBuilder::new()
             .layer(SetRequestIdLayer::new(X_REQUEST_ID, MakeRequestUuidV7))
@@ -154,8 +161,35 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     Ok(())
 }
 
-fn build_router(config: &Config, metrics: &Arc<Metrics>) -> Result<Router, StartError> {
+fn build_router(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    store: &Store,
+) -> Result<Router, StartError> {
     let client = build_client();
+    let (token_keys, random_secret) = TokenKeys::new(&config.tokens.secret);
+    let token_keys = Arc::new(token_keys);
+    let identity_header: HeaderName =
+        config
+            .identity
+            .header
+            .parse()
+            .map_err(|_| StartError::Route {
+                route: "identity.header".into(),
+                reason: "not a header name".into(),
+            })?;
+    let token_routes: BTreeSet<String> = config
+        .routes
+        .iter()
+        .filter(|r| r.kind == RouteKind::Sync && r.idempotency() == Idempotency::Token)
+        .map(|r| r.name.clone())
+        .collect();
+    if random_secret && !token_routes.is_empty() {
+        tracing::warn!(
+            "tokens.secret is empty: using a random secret for this process; tokens will not \
+             survive a restart or work across gateway instances (set IDEMGATE_TOKEN_SECRET)"
+        );
+    }
     let mut upstreams = std::collections::HashMap::new();
     for u in &config.upstreams {
         let upstream = Upstream::from_config(u).map_err(|reason| StartError::Route {
@@ -180,11 +214,39 @@ fn build_router(config: &Config, metrics: &Arc<Metrics>) -> Result<Router, Start
             config.server.max_body_bytes,
             metrics.upstream(&r.upstream),
         );
+        let engine = Engine::new(
+            store.clone(),
+            EngineSettings {
+                route: r.name.as_str().into(),
+                identity_header: identity_header.clone(),
+                max_body_bytes: config.server.max_body_bytes,
+                max_stored_body_bytes: config.store.max_stored_body_bytes,
+                on_concurrent: r.on_concurrent,
+                wait_limit: config
+                    .upstream(&r.upstream)
+                    .map(|u| u.timeout.get())
+                    .unwrap_or_default(),
+            },
+            metrics.clone(),
+        );
         let service: RouteService = match (r.kind, r.idempotency()) {
             (RouteKind::Sync, Idempotency::None) => BoxCloneSyncService::new(proxy),
+            (RouteKind::Sync, Idempotency::Key) => BoxCloneSyncService::new(
+                IdempotencyLayer::new(
+                    engine,
+                    KeyPolicy {
+                        require_key: r.require_key,
+                    },
+                )
+                .layer(proxy),
+            ),
+            (RouteKind::Sync, Idempotency::Token) => BoxCloneSyncService::new(
+                IdempotencyLayer::new(engine, TokenPolicy::new(token_keys.clone(), &r.name))
+                    .layer(proxy),
+            ),
             (kind, policy) => {
                 return Err(fail(format!(
-                    "kind = {kind:?}, idempotency = {policy:?} is not available in this build"
+                    "kind = {kind}, idempotency = {policy} is not available in this build"
                 )));
             }
         };
@@ -195,7 +257,21 @@ fn build_router(config: &Config, metrics: &Arc<Metrics>) -> Result<Router, Start
             counters: metrics.route(&r.name),
         });
     }
-    Ok(Router::new(routes, None))
+    let token = Route {
+        name: "token".into(),
+        matcher: RouteMatcher {
+            methods: vec![http::Method::GET, http::Method::POST],
+            path: PathMatch::Exact("/token".into()),
+        },
+        service: BoxCloneSyncService::new(TokenEndpoint::new(
+            token_keys,
+            config.tokens.ttl.get(),
+            identity_header,
+            token_routes,
+        )),
+        counters: metrics.route("token"),
+    };
+    Ok(Router::new(routes, Some(token)))
 }
 
 /// A database URL without its password, for messages.

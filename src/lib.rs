@@ -13,6 +13,9 @@
 //! - [`store`]: the SQL record (truth) behind a Redis or in-process fast
 //!   layer; claims, fencing, retention.
 //! - [`identity`]: the client scope every record is keyed by.
+//! - [`idempotency`]: the engine (claim → forward → store → replay) and the
+//!   policy layer every protected route runs.
+//! - [`token`]: one-time tokens — `/token`, verification, the token policy.
 //! - [`callback`]: business keys and signatures for callback routes.
 //! - [`error`]: the one place errors become `application/problem+json`.
 //! - [`metrics`]: the Prometheus registry behind `/metrics`.
@@ -27,6 +30,7 @@ pub mod demo;
 pub mod demo_upstream;
 pub mod error;
 pub mod gateway;
+pub mod idempotency;
 pub mod identity;
 pub mod metrics;
 pub mod proxy;
@@ -34,3 +38,4 @@ pub mod request_id;
 pub mod router;
 pub mod server;
 pub mod store;
+pub mod token;

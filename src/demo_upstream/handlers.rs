@@ -202,12 +202,30 @@ async fn action(
         "execution_id": uuid::Uuid::now_v7().to_string(),
         "body_bytes": body.len(),
     });
-    (
+    let mut response = (
         StatusCode::CREATED,
         [("x-demo-execution", execution.to_string())],
         Json(body),
     )
-        .into_response()
+        .into_response();
+    // `X-Demo-Set-Cookie: v` answers with a session cookie, so tests can see
+    // that a replay never hands one client's session to another request.
+    if let Some(cookie) = headers.get("x-demo-set-cookie")
+        && let Ok(value) = axum::http::HeaderValue::from_bytes(
+            format!("session={}", String::from_utf8_lossy(cookie.as_bytes())).as_bytes(),
+        )
+    {
+        response.headers_mut().insert("set-cookie", value);
+    }
+    // `X-Demo-Response-Bytes: N` pads the answer to N bytes (big responses).
+    if let Some(n) = headers
+        .get("x-demo-response-bytes")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        *response.body_mut() = Body::from(vec![b'z'; n]);
+    }
+    response
 }
 
 /// Echoes what arrived, hashing the body as it streams in.

@@ -1,0 +1,119 @@
+//! `POST /token` and `GET /token`: issue a one-time token.
+
+use std::collections::BTreeSet;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use serde::Serialize;
+use tower::Service;
+
+use super::codec::TokenKeys;
+use crate::error::Problem;
+use crate::identity::scope_of;
+
+/// The `/token` service.
+#[derive(Clone)]
+pub struct TokenEndpoint {
+    keys: Arc<TokenKeys>,
+    ttl: Duration,
+    identity_header: HeaderName,
+    token_routes: Arc<BTreeSet<String>>,
+}
+
+#[derive(Serialize)]
+struct Issued {
+    token: String,
+    expires_at: String,
+    ttl_seconds: u64,
+}
+
+impl TokenEndpoint {
+    /// Issues tokens valid for `ttl`, bindable to any of `token_routes`.
+    pub fn new(
+        keys: Arc<TokenKeys>,
+        ttl: Duration,
+        identity_header: HeaderName,
+        token_routes: BTreeSet<String>,
+    ) -> Self {
+        TokenEndpoint {
+            keys,
+            ttl,
+            identity_header,
+            token_routes: Arc::new(token_routes),
+        }
+    }
+
+    fn issue(&self, req: &Request<Body>) -> Response<Body> {
+        let route = req.uri().query().and_then(|q| {
+            url::form_urlencoded::parse(q.as_bytes())
+                .find(|(k, _)| k == "route")
+                .map(|(_, v)| v.into_owned())
+        });
+        if let Some(route) = &route
+            && !self.token_routes.contains(route)
+        {
+            return Problem::new(
+                StatusCode::BAD_REQUEST,
+                "unknown-token-route",
+                "No token route has this name",
+            )
+            .detail(format!(
+                "?route= names a route with idempotency = \"token\" (known: {})",
+                self.token_routes
+                    .iter()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+            .into_response();
+        }
+        let scope = scope_of(req.headers(), &self.identity_header);
+        let now = crate::store::now_ms() / 1000;
+        let expires_at = now + self.ttl.as_secs() as i64;
+        let (token, _) = self.keys.issue(route.as_deref(), &scope, expires_at);
+        let expires = time::OffsetDateTime::from_unix_timestamp(expires_at)
+            .ok()
+            .and_then(|t| {
+                t.format(&time::format_description::well_known::Rfc3339)
+                    .ok()
+            })
+            .unwrap_or_default();
+        let body = serde_json::to_vec(&Issued {
+            token,
+            expires_at: expires,
+            ttl_seconds: self.ttl.as_secs(),
+        })
+        .unwrap_or_default();
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = StatusCode::CREATED;
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+            .headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        response
+    }
+}
+
+impl Service<Request<Body>> for TokenEndpoint {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let response = self.issue(&req);
+        Box::pin(std::future::ready(Ok(response)))
+    }
+}

@@ -1,0 +1,89 @@
+//! The policy of `idempotency = "token"` routes.
+
+use std::sync::Arc;
+
+use http::StatusCode;
+use http::request::Parts;
+
+use super::codec::TokenKeys;
+use crate::error::Problem;
+use crate::idempotency::{Head, Policy};
+
+/// `Idempotency-Token`.
+pub const IDEMPOTENCY_TOKEN: http::HeaderName = http::HeaderName::from_static("idempotency-token");
+
+/// Reads and verifies `Idempotency-Token`; the token id is the record key.
+#[derive(Clone)]
+pub struct TokenPolicy {
+    keys: Arc<TokenKeys>,
+    route: Arc<str>,
+}
+
+impl TokenPolicy {
+    /// The policy of `route`.
+    pub fn new(keys: Arc<TokenKeys>, route: &str) -> Self {
+        TokenPolicy {
+            keys,
+            route: route.into(),
+        }
+    }
+}
+
+fn invalid(detail: &str) -> Problem {
+    Problem::new(
+        StatusCode::FORBIDDEN,
+        "idempotency-token-invalid",
+        "The Idempotency-Token is not valid for this request",
+    )
+    .detail(format!("{detail}; fetch a new token from /token"))
+}
+
+impl Policy for TokenPolicy {
+    const LAYER: &'static str = "token";
+
+    fn key_in_head(&self, parts: &Parts, scope: &str) -> Result<Head, Problem> {
+        let mut values = parts.headers.get_all(IDEMPOTENCY_TOKEN).iter();
+        let Some(value) = values.next() else {
+            return Err(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency-token-missing",
+                "This route requires an Idempotency-Token header",
+            )
+            .detail("fetch a one-time token from POST /token and send it as Idempotency-Token"));
+        };
+        if values.next().is_some() {
+            return Err(invalid("more than one Idempotency-Token header"));
+        }
+        let token = value
+            .to_str()
+            .map_err(|_| invalid("the token is malformed"))?;
+        let claims = self
+            .keys
+            .verify(token, scope)
+            .map_err(|e| invalid(&e.to_string()))?;
+        if let Some(bound) = &claims.route
+            && **bound != *self.route
+        {
+            return Err(invalid("the token was issued for another route"));
+        }
+        if claims.expires_at <= crate::store::now_ms() / 1000 {
+            let refusal = Problem::new(
+                StatusCode::FORBIDDEN,
+                "idempotency-token-expired",
+                "The Idempotency-Token has expired",
+            )
+            .detail("fetch a new token from /token");
+            return Ok(Head::ReplayOnly {
+                key: claims.id,
+                refusal,
+            });
+        }
+        Ok(Head::Key(claims.id))
+    }
+
+    fn strip(&self, headers: &mut http::HeaderMap) {
+        // The token is the gateway's credential, not the upstream's; the
+        // upstream gets the stable Idempotency-Key instead.
+        headers.remove(IDEMPOTENCY_TOKEN);
+    }
+}
