@@ -42,6 +42,7 @@ const DEFAULT_REDIS_PREFIX: &str = "idemgate:";
 const DEFAULT_TOKEN_TTL: &str = "10m";
 const DEFAULT_IDENTITY_HEADER: &str = "Authorization";
 const DEFAULT_UPSTREAM_TIMEOUT: &str = "10s";
+const DEFAULT_SIGNATURE_TOLERANCE: &str = "300s";
 
 /// Paths the gateway answers itself on the public listener; routes may not
 /// claim them.
@@ -169,6 +170,37 @@ pub struct RouteConfig {
     pub on_concurrent: OnConcurrent,
     #[serde(default)]
     pub business_key: Vec<String>,
+    /// Callback routes: verify the sender's signature first.
+    pub signature: Option<SignatureConfig>,
+}
+
+/// `[routes.signature]`: how a callback's sender signs it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignatureConfig {
+    pub scheme: SignatureScheme,
+    /// Secrets tried in turn (rotation).
+    #[serde(default)]
+    pub secrets: Vec<String>,
+    /// An environment variable with more secrets, comma-separated.
+    pub secrets_env: Option<String>,
+    /// `hmac-sha256`: the header carrying the hex signature.
+    pub header: Option<String>,
+    /// Timestamped schemes: how far the timestamp may be from now.
+    #[serde(default = "default_signature_tolerance")]
+    pub tolerance: HumanDuration,
+}
+
+/// `signature.scheme`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SignatureScheme {
+    /// `webhook-id`, `webhook-timestamp`, `webhook-signature: v1,<base64>`.
+    StandardWebhooks,
+    /// `Stripe-Signature: t=…,v1=<hex>`.
+    Stripe,
+    /// Hex HMAC-SHA256 of the raw body in `header`.
+    HmacSha256,
 }
 
 /// `kind`: how a route's callers behave.
@@ -324,6 +356,9 @@ fn default_identity_header() -> String {
 }
 fn default_upstream_timeout() -> HumanDuration {
     DEFAULT_UPSTREAM_TIMEOUT.into()
+}
+fn default_signature_tolerance() -> HumanDuration {
+    DEFAULT_SIGNATURE_TOLERANCE.into()
 }
 fn default_require_key() -> bool {
     true
@@ -646,6 +681,12 @@ impl Config {
                         "only callback routes take a business key (set kind = \"callback\")".into(),
                     );
                 }
+                if r.signature.is_some() {
+                    add(
+                        key("signature"),
+                        "only callback routes verify signatures (set kind = \"callback\")".into(),
+                    );
+                }
             }
             RouteKind::Callback => {
                 match r.idempotency {
@@ -678,6 +719,24 @@ impl Config {
                 for source in &r.business_key {
                     if let Err(reason) = crate::callback::KeySource::parse(source) {
                         add(key("business_key"), reason);
+                    }
+                }
+                if let Some(sig) = &r.signature {
+                    if sig.secrets.is_empty() && sig.secrets_env.is_none() {
+                        add(
+                            key("signature"),
+                            "set secrets = [\"…\"] or secrets_env = \"VAR\"".into(),
+                        );
+                    }
+                    if sig.scheme == SignatureScheme::HmacSha256 && sig.header.is_none() {
+                        add(
+                            key("signature.header"),
+                            "scheme = \"hmac-sha256\" needs the header that carries the signature"
+                                .into(),
+                        );
+                    }
+                    if let Some(reason) = sig.tolerance.problem() {
+                        add(key("signature.tolerance"), reason);
                     }
                 }
             }

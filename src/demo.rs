@@ -93,7 +93,13 @@ Try it (another terminal):
   curl -s -i -X POST {g}/coupons/deduct -H 'Idempotency-Key: deduct-42' -d '{{"coupon":"C1","order_id":"ord_1"}}'
   curl -s -i -X POST {g}/coupons/deduct -H 'Idempotency-Key: deduct-42' -d '{{"coupon":"C1","order_id":"ord_1"}}'
 
-  # 5. What really executed upstream: one order, one deduction
+  # 5. A payment provider notifies twice (it retries until it sees a 2xx):
+  #    the order moves to PAID once; the duplicate gets the stored ack
+  ORDER=$(curl -s -X POST http://{upstream}/orders -d '{{"item":"book"}}' | sed 's/.*"order_id":"\([^"]*\)".*/\1/')
+  curl -s -i -X POST {g}/callbacks/payment -d "{{\"trade_no\":\"T-1\",\"order_id\":\"$ORDER\"}}"
+  curl -s -i -X POST {g}/callbacks/payment -d "{{\"trade_no\":\"T-1\",\"order_id\":\"$ORDER\"}}"
+
+  # 6. What really executed upstream: each action once
   curl -s http://{upstream}/stats
 
   # Reads pass straight through

@@ -17,6 +17,7 @@ use std::collections::BTreeSet;
 use http::HeaderName;
 use tower::Layer;
 
+use crate::callback::{CallbackPolicy, KeySource, Verifier};
 use crate::config::{Config, Idempotency, PathMatch, RouteKind, RouteMatcher};
 use crate::idempotency::{Engine, EngineSettings, IdempotencyLayer, KeyPolicy};
 use crate::metrics::Metrics;
@@ -244,10 +245,23 @@ fn build_router(
                 IdempotencyLayer::new(engine, TokenPolicy::new(token_keys.clone(), &r.name))
                     .layer(proxy),
             ),
-            (kind, policy) => {
-                return Err(fail(format!(
-                    "kind = {kind}, idempotency = {policy} is not available in this build"
-                )));
+            (RouteKind::Callback, _) => {
+                let sources = r
+                    .business_key
+                    .iter()
+                    .map(|s| KeySource::parse(s))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(fail)?;
+                let verifier = r
+                    .signature
+                    .as_ref()
+                    .map(|sig| Verifier::from_config(sig, |name| std::env::var(name).ok()))
+                    .transpose()
+                    .map_err(fail)?;
+                BoxCloneSyncService::new(
+                    IdempotencyLayer::new(engine, CallbackPolicy::new(sources, verifier))
+                        .layer(proxy),
+                )
             }
         };
         routes.push(Route {

@@ -209,7 +209,12 @@ fn print_route_table(config: &Config) {
         };
         println!(
             "{:<20} {:<10} {:<28} {:<12} {:<9} {}",
-            r.name, methods, path, r.upstream, r.kind, policy
+            r.name,
+            methods,
+            path,
+            r.upstream,
+            r.kind.to_string(),
+            policy
         );
     }
     println!(

@@ -160,3 +160,34 @@ fn docker_config_is_valid_too() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_callback_route_with_a_token_check_is_refused_with_the_reason() {
+    let file = write_config(
+        r#"
+        [[upstreams]]
+        name = "payments"
+        url = "http://127.0.0.1:9001"
+        [[routes]]
+        name = "pay-notify"
+        methods = ["POST"]
+        path = "/callbacks/payment"
+        upstream = "payments"
+        kind = "callback"
+        idempotency = "token"
+        business_key = ["json:/trade_no"]
+        "#,
+    );
+    for command in ["check-config", "serve"] {
+        let out = idemgate()
+            .args([command, "--config"])
+            .arg(file.path())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{command}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("routes[0].idempotency"), "{stderr}");
+        assert!(stderr.contains("pay-notify"), "{stderr}");
+        assert!(stderr.contains("never carry"), "{stderr}");
+    }
+}

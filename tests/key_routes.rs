@@ -241,7 +241,22 @@ async fn storm_case(store: Option<(String, String, String)>, wait: bool) {
         }
     })
     .await;
+    let started = std::time::Instant::now();
     let (executions, statuses) = storm(&stack, wait).await;
+    let elapsed = started.elapsed();
+    let mut mix = std::collections::BTreeMap::new();
+    for s in &statuses {
+        *mix.entry(*s).or_insert(0) += 1;
+    }
+    {
+        // The figures behind the closing notes, visible with --nocapture.
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "storm wait={wait} store={}: 500 requests, {executions} execution(s), statuses {mix:?}, {elapsed:?}",
+            stack.gateway.store.sql().backend()
+        );
+    }
     assert_eq!(executions, 1, "{statuses:?}");
     if wait {
         assert!(statuses.iter().all(|s| *s == 201), "{statuses:?}");

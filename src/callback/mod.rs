@@ -1,7 +1,12 @@
 //! Callback routes: payment notifications, MQ pushes and job retries, whose
 //! callers never carry a client token. They dedupe on a business key taken
-//! from the request.
+//! from the request (payment serial, msgId + topic), through the same engine
+//! as the synchronous routes, after an optional signature check.
 
 mod key;
+mod policy;
+pub mod signature;
 
-pub use key::KeySource;
+pub use key::{KeyError, KeySource, business_key};
+pub use policy::CallbackPolicy;
+pub use signature::{SignatureError, Verifier};

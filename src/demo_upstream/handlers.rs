@@ -49,6 +49,8 @@ pub(super) fn router(state: Arc<DemoState>) -> axum::Router {
         .route("/coupons/deduct", post(deduct_coupon))
         .route("/callbacks/payment", post(pay_notify))
         .route("/actions/{name}", post(action).put(action))
+        .route("/mq/push", post(mq_push))
+        .route("/jobs/compensate", post(compensate))
         .route("/echo", any(echo))
         .route("/echo/{*rest}", any(echo))
         .route("/stream", get(stream))
@@ -226,6 +228,35 @@ async fn action(
         *response.body_mut() = Body::from(vec![b'z'; n]);
     }
     response
+}
+
+/// An MQ consumer endpoint that is *not* idempotent on its own: every
+/// delivery of `X-Msg-Id` executes (the gateway's callback route dedupes).
+async fn mq_push(State(state): AppState, headers: HeaderMap) -> Response {
+    let id = headers
+        .get("x-msg-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    let topic = headers
+        .get("x-topic")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    let execution = state.execute("mq_push", &format!("{topic}/{id}"));
+    Json(json!({"ack": true, "msg_id": id, "topic": topic, "execution": execution})).into_response()
+}
+
+#[derive(Deserialize)]
+struct Compensation {
+    job_id: String,
+    step: String,
+}
+
+/// A compensation job's step, re-run by its scheduler when the commit ACK
+/// was lost; executes on every call (the gateway dedupes).
+async fn compensate(State(state): AppState, Lenient(c): Lenient<Compensation>) -> Response {
+    let execution = state.execute("compensate", &format!("{}/{}", c.job_id, c.step));
+    Json(json!({"done": true, "job_id": c.job_id, "step": c.step, "execution": execution}))
+        .into_response()
 }
 
 /// Echoes what arrived, hashing the body as it streams in.
