@@ -22,10 +22,11 @@ CREATE TABLE IF NOT EXISTS idempotency_records (
     created_at  INTEGER  NOT NULL,          -- unix ms
     updated_at  INTEGER  NOT NULL,
     expires_at  INTEGER  NOT NULL,
-    UNIQUE (scope, route, idem_key)
+    -- (route, key, scope): the claim's conflict target, and by its prefix
+    -- the index `keys show|purge ROUTE KEY` reads across client scopes.
+    UNIQUE (route, idem_key, scope)
 );
 CREATE INDEX IF NOT EXISTS idempotency_records_expires ON idempotency_records (expires_at);
-CREATE INDEX IF NOT EXISTS idempotency_records_route_key ON idempotency_records (route, idem_key);
 
 CREATE TABLE IF NOT EXISTS idempotency_archive (
     id          INTEGER  NOT NULL,

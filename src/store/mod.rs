@@ -21,6 +21,7 @@
 //! lease-expired and retention-expired records can be claimed again, which
 //! bumps the epoch.
 
+pub mod batch;
 pub mod codec;
 pub mod fast;
 pub mod memory;

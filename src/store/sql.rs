@@ -65,7 +65,14 @@ pub struct SqlStore {
 const CLAIM_INSERT: &str = "INSERT INTO idempotency_records \
      (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, created_at, updated_at, expires_at, body_kept) \
      VALUES ($1, $2, $3, $4, 'in_flight', 1, $5, $6, $7, $7, $8, FALSE) \
-     ON CONFLICT (scope, route, idem_key) DO NOTHING RETURNING epoch";
+     ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING epoch";
+
+const CLAIM_INSERT_MANY_PG: &str = "INSERT INTO idempotency_records \
+     (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, created_at, updated_at, expires_at, body_kept) \
+     SELECT v.scope, v.route, v.idem_key, v.fingerprint, 'in_flight', 1, v.lease_until, v.request_id, v.now, v.now, v.expires, FALSE \
+     FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[], $7::int8[], $8::int8[]) \
+          AS v(scope, route, idem_key, fingerprint, lease_until, request_id, now, expires) \
+     ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING scope, route, idem_key";
 
 // Takes over a record that may be claimed again. Retention-expired and
 // released records take any fingerprint (the key is free again); uncertain
@@ -89,6 +96,19 @@ const COMPLETE: &str = "UPDATE idempotency_records SET \
      state = 'completed', status = $5, headers = $6, body = $7, body_kept = $8, request_id = $9, \
      lease_until = 0, updated_at = $10, expires_at = $11 \
      WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
+
+// Many completions in one statement: one round trip and one commit for a
+// whole batch. Each row still needs its own epoch to match (fencing).
+const COMPLETE_MANY_PG: &str = "UPDATE idempotency_records AS r SET \
+     state = 'completed', status = v.status, headers = v.headers, body = v.body, \
+     body_kept = v.body_kept, request_id = v.request_id, lease_until = 0, \
+     updated_at = v.now, expires_at = v.expires \
+     FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::int4[], $6::bytea[], \
+                 $7::bytea[], $8::bool[], $9::text[], $10::int8[], $11::int8[]) \
+          AS v(scope, route, idem_key, epoch, status, headers, body, body_kept, request_id, now, expires) \
+     WHERE r.scope = v.scope AND r.route = v.route AND r.idem_key = v.idem_key \
+       AND r.epoch = v.epoch AND r.state = 'in_flight' \
+     RETURNING r.scope, r.route, r.idem_key";
 
 const SET_STATE: &str = "UPDATE idempotency_records SET state = $5, lease_until = 0, updated_at = $6 \
      WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
@@ -243,48 +263,148 @@ impl SqlStore {
         lease: Duration,
         retention: Duration,
     ) -> Result<Claim, StoreError> {
-        let lease_until = after_ms(now, lease);
-        let expires_at = after_ms(now, retention);
+        let job = NewClaim {
+            key: key.clone(),
+            fingerprint: fingerprint.to_owned(),
+            request_id: request_id.to_owned(),
+            now,
+            lease,
+            retention,
+        };
         // A record deleted (purged, swept) between our statements makes the
-        // read below find nothing; the loop then simply claims again.
+        // read find nothing; the loop then simply claims again.
         for _ in 0..3 {
-            let won: Option<i64> = self
-                .bounded("claim", async {
-                    with_pool!(self, pool => {
-                        sqlx::query(CLAIM_INSERT)
-                            .bind(&key.scope).bind(&key.route).bind(&key.key).bind(fingerprint)
-                            .bind(lease_until).bind(request_id).bind(now).bind(expires_at)
-                            .fetch_optional(pool).await
-                            .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
-                    })
-                })
-                .await?;
-            if let Some(epoch) = won {
-                return Ok(Claim::Won { epoch });
+            if self.insert_claims(std::slice::from_ref(&job)).await?[0] {
+                return Ok(Claim::Won { epoch: 1 });
             }
-            let taken: Option<i64> = self
-                .bounded("claim", async {
-                    with_pool!(self, pool => {
-                        sqlx::query(CLAIM_TAKEOVER)
-                            .bind(&key.scope).bind(&key.route).bind(&key.key).bind(fingerprint)
-                            .bind(lease_until).bind(request_id).bind(now).bind(expires_at)
-                            .fetch_optional(pool).await
-                            .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
-                    })
-                })
-                .await?;
-            if let Some(epoch) = taken {
-                return Ok(Claim::Won { epoch });
+            if let Some(claim) = self.claim_existing(&job).await? {
+                return Ok(claim);
             }
-            let Some(record) = self.get(key).await? else {
-                continue;
-            };
-            return Ok(answer_for(&record, fingerprint, now));
         }
         Err(StoreError::Unavailable {
             op: "claim",
             cause: "the record kept disappearing between statements".into(),
         })
+    }
+
+    /// The fresh-key half of a claim, for many keys at once: one
+    /// `INSERT … ON CONFLICT DO NOTHING` (one commit). True where the row
+    /// was inserted, i.e. the claim was won with epoch 1. A key twice in one
+    /// batch is inserted for its first job only; the second then meets the
+    /// row like any duplicate.
+    pub async fn insert_claims(&self, batch: &[NewClaim]) -> Result<Vec<bool>, StoreError> {
+        match &self.pool {
+            Pool::Postgres(pool) if batch.len() > 1 => {
+                let mut columns = PgClaimColumns::default();
+                let mut seen = std::collections::HashSet::new();
+                let mut first = Vec::with_capacity(batch.len());
+                for c in batch {
+                    let fresh = seen.insert(&c.key);
+                    first.push(fresh);
+                    if fresh {
+                        columns.push(c);
+                    }
+                }
+                let inserted: Vec<(String, String, String)> = self
+                    .bounded("claim", async {
+                        sqlx::query(CLAIM_INSERT_MANY_PG)
+                            .bind(&columns.scope)
+                            .bind(&columns.route)
+                            .bind(&columns.key)
+                            .bind(&columns.fingerprint)
+                            .bind(&columns.lease_until)
+                            .bind(&columns.request_id)
+                            .bind(&columns.now)
+                            .bind(&columns.expires)
+                            .fetch_all(pool)
+                            .await?
+                            .iter()
+                            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
+                            .collect::<Result<_, sqlx::Error>>()
+                    })
+                    .await?;
+                Ok(batch
+                    .iter()
+                    .zip(first)
+                    .map(|(c, first)| {
+                        first
+                            && inserted.iter().any(|(s, r, k)| {
+                                *s == c.key.scope && *r == c.key.route && *k == c.key.key
+                            })
+                    })
+                    .collect())
+            }
+            Pool::Postgres(pool) => {
+                let c = &batch[0];
+                let won = self
+                    .bounded("claim", async {
+                        sqlx::query(CLAIM_INSERT)
+                            .bind(&c.key.scope)
+                            .bind(&c.key.route)
+                            .bind(&c.key.key)
+                            .bind(&c.fingerprint)
+                            .bind(after_ms(c.now, c.lease))
+                            .bind(&c.request_id)
+                            .bind(c.now)
+                            .bind(after_ms(c.now, c.retention))
+                            .fetch_optional(pool)
+                            .await
+                    })
+                    .await?;
+                Ok(vec![won.is_some()])
+            }
+            Pool::Sqlite(pool) => {
+                // One write transaction, one fsync, for the whole batch.
+                self.bounded("claim", async {
+                    let mut conn = pool.acquire().await?;
+                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                    let mut won = Vec::with_capacity(batch.len());
+                    for c in batch {
+                        let row = sqlx::query(CLAIM_INSERT)
+                            .bind(&c.key.scope)
+                            .bind(&c.key.route)
+                            .bind(&c.key.key)
+                            .bind(&c.fingerprint)
+                            .bind(after_ms(c.now, c.lease))
+                            .bind(&c.request_id)
+                            .bind(c.now)
+                            .bind(after_ms(c.now, c.retention))
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                        won.push(row.is_some());
+                    }
+                    tx.commit().await?;
+                    Ok(won)
+                })
+                .await
+            }
+        }
+    }
+
+    /// The existing-key half of a claim: take the record over if it may be
+    /// taken, else read it to answer. `None` when the row vanished.
+    pub async fn claim_existing(&self, c: &NewClaim) -> Result<Option<Claim>, StoreError> {
+        let key = &c.key;
+        let lease_until = after_ms(c.now, c.lease);
+        let expires_at = after_ms(c.now, c.retention);
+        let taken: Option<i64> = self
+            .bounded("claim", async {
+                with_pool!(self, pool => {
+                    sqlx::query(CLAIM_TAKEOVER)
+                        .bind(&key.scope).bind(&key.route).bind(&key.key).bind(&c.fingerprint)
+                        .bind(lease_until).bind(&c.request_id).bind(c.now).bind(expires_at)
+                        .fetch_optional(pool).await
+                        .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
+                })
+            })
+            .await?;
+        if let Some(epoch) = taken {
+            return Ok(Some(Claim::Won { epoch }));
+        }
+        Ok(self
+            .get(key)
+            .await?
+            .map(|record| answer_for(&record, &c.fingerprint, c.now)))
     }
 
     /// Reads one record.
@@ -343,6 +463,85 @@ impl SqlStore {
             })
         })
         .await
+    }
+
+    /// Stores many outcomes at once (see [`super::batch`]); one flag per
+    /// completion, false where the epoch no longer holds the claim.
+    pub async fn complete_many(&self, batch: &[Completion]) -> Result<Vec<bool>, StoreError> {
+        if batch.len() == 1 {
+            let c = &batch[0];
+            return Ok(vec![
+                self.complete(&c.key, c.epoch, &c.response, c.now, c.retention)
+                    .await?,
+            ]);
+        }
+        match &self.pool {
+            Pool::Postgres(pool) => {
+                let mut columns = PgColumns::default();
+                for c in batch {
+                    columns.push(c);
+                }
+                let done: Vec<(String, String, String)> = self
+                    .bounded("complete", async {
+                        sqlx::query(COMPLETE_MANY_PG)
+                            .bind(&columns.scope)
+                            .bind(&columns.route)
+                            .bind(&columns.key)
+                            .bind(&columns.epoch)
+                            .bind(&columns.status)
+                            .bind(&columns.headers)
+                            .bind(&columns.body)
+                            .bind(&columns.body_kept)
+                            .bind(&columns.request_id)
+                            .bind(&columns.now)
+                            .bind(&columns.expires)
+                            .fetch_all(pool)
+                            .await?
+                            .iter()
+                            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
+                            .collect::<Result<_, sqlx::Error>>()
+                    })
+                    .await?;
+                Ok(batch
+                    .iter()
+                    .map(|c| {
+                        done.iter().any(|(s, r, k)| {
+                            *s == c.key.scope && *r == c.key.route && *k == c.key.key
+                        })
+                    })
+                    .collect())
+            }
+            Pool::Sqlite(pool) => {
+                // One write transaction, one fsync, for the whole batch.
+                self.bounded("complete", async {
+                    let mut conn = pool.acquire().await?;
+                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                    let mut accepted = Vec::with_capacity(batch.len());
+                    for c in batch {
+                        let headers = encode_headers(&c.response.headers);
+                        let rows = sqlx::query(COMPLETE)
+                            .bind(&c.key.scope)
+                            .bind(&c.key.route)
+                            .bind(&c.key.key)
+                            .bind(c.epoch)
+                            .bind(i32::from(c.response.status))
+                            .bind(&headers)
+                            .bind(c.response.body.as_ref())
+                            .bind(c.response.body_kept)
+                            .bind(&c.response.request_id)
+                            .bind(c.now)
+                            .bind(after_ms(c.now, c.retention))
+                            .execute(&mut *tx)
+                            .await?
+                            .rows_affected();
+                        accepted.push(rows == 1);
+                    }
+                    tx.commit().await?;
+                    Ok(accepted)
+                })
+                .await
+            }
+        }
     }
 
     /// Gives the claim up (nothing happened upstream); false when `epoch`
@@ -476,6 +675,84 @@ impl SqlStore {
             })
         })
         .await
+    }
+}
+
+/// One claim of a key, as [`SqlStore::insert_claims`] takes it.
+#[derive(Debug, Clone)]
+pub struct NewClaim {
+    pub key: RecordKey,
+    pub fingerprint: String,
+    pub request_id: String,
+    pub now: i64,
+    pub lease: Duration,
+    pub retention: Duration,
+}
+
+#[derive(Default)]
+struct PgClaimColumns {
+    scope: Vec<String>,
+    route: Vec<String>,
+    key: Vec<String>,
+    fingerprint: Vec<String>,
+    lease_until: Vec<i64>,
+    request_id: Vec<String>,
+    now: Vec<i64>,
+    expires: Vec<i64>,
+}
+
+impl PgClaimColumns {
+    fn push(&mut self, c: &NewClaim) {
+        self.scope.push(c.key.scope.clone());
+        self.route.push(c.key.route.clone());
+        self.key.push(c.key.key.clone());
+        self.fingerprint.push(c.fingerprint.clone());
+        self.lease_until.push(after_ms(c.now, c.lease));
+        self.request_id.push(c.request_id.clone());
+        self.now.push(c.now);
+        self.expires.push(after_ms(c.now, c.retention));
+    }
+}
+
+/// One completion waiting to be written.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub key: RecordKey,
+    pub epoch: i64,
+    pub response: StoredResponse,
+    pub now: i64,
+    pub retention: Duration,
+}
+
+/// A batch as Postgres arrays, one per column.
+#[derive(Default)]
+struct PgColumns {
+    scope: Vec<String>,
+    route: Vec<String>,
+    key: Vec<String>,
+    epoch: Vec<i64>,
+    status: Vec<i32>,
+    headers: Vec<Vec<u8>>,
+    body: Vec<Vec<u8>>,
+    body_kept: Vec<bool>,
+    request_id: Vec<String>,
+    now: Vec<i64>,
+    expires: Vec<i64>,
+}
+
+impl PgColumns {
+    fn push(&mut self, c: &Completion) {
+        self.scope.push(c.key.scope.clone());
+        self.route.push(c.key.route.clone());
+        self.key.push(c.key.key.clone());
+        self.epoch.push(c.epoch);
+        self.status.push(i32::from(c.response.status));
+        self.headers.push(encode_headers(&c.response.headers));
+        self.body.push(c.response.body.to_vec());
+        self.body_kept.push(c.response.body_kept);
+        self.request_id.push(c.response.request_id.clone());
+        self.now.push(c.now);
+        self.expires.push(after_ms(c.now, c.retention));
     }
 }
 

@@ -22,9 +22,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::batch::Batcher;
 use super::codec::FastEntry;
 use super::fast::FastLayer;
-use super::sql::SqlStore;
+use super::sql::{Completion, NewClaim, SqlStore};
 use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
 use crate::metrics::Metrics;
 
@@ -36,10 +37,13 @@ pub struct StoreSettings {
     pub fast_layer_budget: Duration,
 }
 
-/// The store the gateway uses.
+/// The store the gateway uses. Must be made inside a tokio runtime (it
+/// starts the completion writer).
 #[derive(Clone)]
 pub struct Store {
     sql: SqlStore,
+    claims: Batcher<NewClaim, bool>,
+    completions: Batcher<Completion, bool>,
     fast: Option<Arc<dyn FastLayer>>,
     settings: StoreSettings,
     metrics: Arc<Metrics>,
@@ -54,6 +58,20 @@ impl Store {
         metrics: Arc<Metrics>,
     ) -> Self {
         Store {
+            claims: {
+                let sql = sql.clone();
+                Batcher::spawn("claim", move |batch: Vec<NewClaim>| {
+                    let sql = sql.clone();
+                    async move { sql.insert_claims(&batch).await }
+                })
+            },
+            completions: {
+                let sql = sql.clone();
+                Batcher::spawn("complete", move |batch: Vec<Completion>| {
+                    let sql = sql.clone();
+                    async move { sql.complete_many(&batch).await }
+                })
+            },
             sql,
             fast,
             settings,
@@ -145,17 +163,7 @@ impl Store {
                 None => {}
             }
         }
-        let claim = self
-            .sql
-            .claim(
-                key,
-                fingerprint,
-                request_id,
-                now_ms(),
-                self.settings.lease,
-                self.settings.retention,
-            )
-            .await;
+        let claim = self.claim_in_sql(key, fingerprint, request_id).await;
         self.metrics.store_latency.observe(started.elapsed());
         if let Some(fast) = &self.fast {
             match &claim {
@@ -178,6 +186,43 @@ impl Store {
         claim
     }
 
+    /// The SQL half of a claim: the fresh-key insert goes through the batch
+    /// writer (shared commit), the rest through the single-row path.
+    async fn claim_in_sql(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        request_id: &str,
+    ) -> Result<Claim, StoreError> {
+        let job = NewClaim {
+            key: key.clone(),
+            fingerprint: fingerprint.to_owned(),
+            request_id: request_id.to_owned(),
+            now: now_ms(),
+            lease: self.settings.lease,
+            retention: self.settings.retention,
+        };
+        if self.claims.submit(job.clone()).await? {
+            return Ok(Claim::Won { epoch: 1 });
+        }
+        match self.sql.claim_existing(&job).await? {
+            Some(claim) => Ok(claim),
+            // Purged or swept between the two statements: start over.
+            None => {
+                self.sql
+                    .claim(
+                        key,
+                        fingerprint,
+                        request_id,
+                        job.now,
+                        job.lease,
+                        job.retention,
+                    )
+                    .await
+            }
+        }
+    }
+
     /// Records the outcome; false when the claim was taken over meanwhile
     /// (the late write is refused and nothing is cached).
     pub async fn complete(
@@ -189,8 +234,14 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let started = Instant::now();
         let accepted = self
-            .sql
-            .complete(key, epoch, response, now_ms(), self.settings.retention)
+            .completions
+            .submit(Completion {
+                key: key.clone(),
+                epoch,
+                response: response.clone(),
+                now: now_ms(),
+                retention: self.settings.retention,
+            })
             .await?;
         self.metrics.store_latency.observe(started.elapsed());
         if accepted && let Some(fast) = &self.fast {
