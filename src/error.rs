@@ -13,6 +13,9 @@ use serde::Serialize;
 /// The prefix of every problem `type`.
 pub const PROBLEM_TYPE_PREFIX: &str = "urn:idemgate:problem:";
 
+/// `Retry-After` of a 409 for a request still in flight.
+pub const IN_FLIGHT_RETRY_AFTER_SECS: u64 = 1;
+
 /// The media type of every error body.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
@@ -248,8 +251,13 @@ impl From<&crate::idempotency::IdempotencyError> for Problem {
                 "request-in-flight",
                 "A request with this idempotency key is still being processed",
             )
-            .detail("retry later with the same key to receive its outcome")
-            .retry_after(retry_after.as_secs_f64().ceil().clamp(1.0, 60.0) as u64),
+            .detail(format!(
+                "retry later with the same key to receive its outcome; the claim is held for at most {}s more",
+                retry_after.as_secs_f64().ceil() as u64
+            ))
+            // The first request usually finishes in milliseconds; the lease
+            // only bounds a crashed holder. Ask for an early retry.
+            .retry_after(IN_FLIGHT_RETRY_AFTER_SECS),
             E::Store(store) => Problem::from(store),
         }
     }

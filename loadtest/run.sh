@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# The load-test harness (loadtest/README.md). In one run on this machine:
+# nginx as a fast upstream, nginx as a reference reverse proxy in front of
+# it, Idemgate in front of the same upstream (on SQLite, and on Redis +
+# Postgres), the demo upstream for the duplicate storm; then every scenario,
+# alternating targets over several rounds. Prints a table and writes it to
+# loadtest/results/latest.md. Only 127.0.0.1 is ever targeted; every load is
+# bounded in time or count.
+#
+#   loadtest/run.sh [SECONDS_PER_MEASUREMENT] [ROUNDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-5}
+ROUNDS=${2:-3}
+CONC=${CONC:-50}
+WORK=$(mktemp -d /tmp/idemgate-loadtest.XXXX)
+PG_URL=${IDEMGATE_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
+WORKERS=2   # the gateway's tokio worker threads = nginx worker_processes
+
+# --- tools ---------------------------------------------------------------
+command -v oha >/dev/null || cargo install oha --locked
+command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light || apt-get install -y -qq nginx; }
+scripts/services.sh >/dev/null
+cargo build --release -q --bins --example loadgen
+BIN=target/release
+
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ -f "$WORK/up/nginx.pid" ] && kill "$(cat "$WORK/up/nginx.pid")" 2>/dev/null || true
+  [ -f "$WORK/px/nginx.pid" ] && kill "$(cat "$WORK/px/nginx.pid")" 2>/dev/null || true
+  psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+# --- nginx: upstream on :18081, reference proxy on :18082 -----------------
+nginx_conf() { # dir body
+  mkdir -p "$WORK/$1"
+  cat > "$WORK/$1/nginx.conf" <<EOF
+worker_processes $WORKERS;
+pid $WORK/$1/nginx.pid;
+error_log $WORK/$1/error.log warn;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path $WORK/$1;
+  proxy_temp_path $WORK/$1;
+  $2
+}
+EOF
+  nginx -p "$WORK/$1" -c "$WORK/$1/nginx.conf"
+}
+nginx_conf up 'server { listen 127.0.0.1:18081; location / { default_type application/json; return 200 "{\"ok\":true,\"order\":\"ord_1\"}"; } }'
+nginx_conf px 'upstream backend { server 127.0.0.1:18081; keepalive 256; }
+  server { listen 127.0.0.1:18082; location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; } }'
+
+# --- demo upstream (execution counter) on :18091 --------------------------
+$BIN/demo-upstream 127.0.0.1:18091 >/dev/null & pids+=($!)
+
+# --- gateways --------------------------------------------------------------
+cat > "$WORK/idemgate.toml" <<EOF
+[server]
+listen = "127.0.0.1:18080"
+admin_listen = "127.0.0.1:18090"
+max_connections = 20000
+[store]
+database_url = "sqlite://$WORK/idemgate.db"
+[tokens]
+secret = "loadtest-secret"
+[[upstreams]]
+name = "nginx"
+url = "http://127.0.0.1:18081"
+[[upstreams]]
+name = "demo"
+url = "http://127.0.0.1:18091"
+[[routes]]
+name = "pass"
+methods = ["GET"]
+path_prefix = "/pass/"
+upstream = "nginx"
+[[routes]]
+name = "key"
+methods = ["POST"]
+path_prefix = "/key/"
+upstream = "nginx"
+idempotency = "key"
+[[routes]]
+name = "tok"
+methods = ["POST"]
+path_prefix = "/tok/"
+upstream = "nginx"
+idempotency = "token"
+[[routes]]
+name = "storm"
+methods = ["POST"]
+path_prefix = "/actions/"
+upstream = "demo"
+idempotency = "key"
+EOF
+SCHEMA=loadtest_$(date +%s)
+psql -q "$PG_URL" -c "CREATE SCHEMA $SCHEMA"
+IDEMGATE_LOG=warn $BIN/idemgate serve --config "$WORK/idemgate.toml" & GW_SQLITE=$!; pids+=($GW_SQLITE)
+IDEMGATE_LOG=warn IDEMGATE_LISTEN=127.0.0.1:18180 IDEMGATE_ADMIN_LISTEN=127.0.0.1:18190 \
+  IDEMGATE_DATABASE_URL="$PG_URL?options[search_path]=$SCHEMA" IDEMGATE_REDIS_URL=redis://127.0.0.1:6379/ \
+  $BIN/idemgate serve --config "$WORK/idemgate.toml" & GW_PG=$!; pids+=($GW_PG)
+for port in 18080 18180 18081 18082 18091; do
+  for _ in $(seq 1 100); do curl -s -o /dev/null "http://127.0.0.1:$port/" && break; sleep 0.1; done
+done
+
+# --- measuring -------------------------------------------------------------
+RES="$WORK/results.jsonl"
+: > "$RES"
+oha_run() { # label target url [extra oha args…]
+  local label=$1 target=$2 url=$3; shift 3
+  oha -z "${SECS}s" -c "$CONC" --no-tui --output-format json "$@" "$url" 2>/dev/null \
+    | python3 -c "
+import json,sys
+d=json.load(sys.stdin); ok=sum(v for k,v in d['statusCodeDistribution'].items() if int(k)<500)
+print(json.dumps({'scenario':'$label','target':'$target','rps':ok/d['summary']['total'],
+  'p50_ms':(d['latencyPercentiles']['p50'] or 0)*1000,'p99_ms':(d['latencyPercentiles']['p99'] or 0)*1000,
+  'statuses':d['statusCodeDistribution']}))" >> "$RES"
+}
+gen_run() { # label target loadgen-args…
+  local label=$1 target=$2; shift 2
+  $BIN/examples/loadgen "$@" | python3 -c "
+import json,sys
+d=json.loads(sys.stdin.read()); d.update({'scenario':'$label','target':'$target'}); print(json.dumps(d))" >> "$RES"
+}
+rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
+hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
+
+echo "== pass-through ($ROUNDS rounds × ${SECS}s, -c $CONC)"
+for r in $(seq 1 "$ROUNDS"); do
+  oha_run pass-through upstream http://127.0.0.1:18081/pass/x
+  oha_run pass-through nginx http://127.0.0.1:18082/pass/x
+  oha_run pass-through idemgate http://127.0.0.1:18080/pass/x
+done
+
+echo "== replay (one key, completed)"
+curl -s -o /dev/null -X POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' http://127.0.0.1:18080/key/r
+curl -s -o /dev/null -X POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' http://127.0.0.1:18180/key/r
+for r in $(seq 1 "$ROUNDS"); do
+  oha_run replay idemgate-pass http://127.0.0.1:18080/pass/x
+  oha_run replay idemgate-sqlite http://127.0.0.1:18080/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}'
+  oha_run replay idemgate-redis-pg http://127.0.0.1:18180/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}'
+done
+
+echo "== first requests (a new key every request) and the database ceiling"
+cat > "$WORK/pgbench.sql" <<SQL
+\set k random(1, 1000000000)
+INSERT INTO $SCHEMA.raw (k, v) VALUES (:client_id || '-' || :k, 1) ON CONFLICT DO NOTHING;
+SQL
+psql -q "$PG_URL" -c "CREATE TABLE $SCHEMA.raw (k text PRIMARY KEY, v bigint)"
+for r in $(seq 1 "$ROUNDS"); do
+  TPS=$(pgbench -n -h 127.0.0.1 -U postgres -c 16 -j 2 -T "$SECS" -f "$WORK/pgbench.sql" test 2>/dev/null | awk '/^tps = / {print $3}')
+  echo "{\"scenario\":\"first-requests\",\"target\":\"pgbench-insert\",\"rps\":$TPS,\"p50_ms\":0,\"p99_ms\":0}" >> "$RES"
+  gen_run first-requests idemgate-redis-pg unique http://127.0.0.1:18180/key/new "$CONC" "$SECS"
+  gen_run first-requests idemgate-sqlite unique http://127.0.0.1:18080/key/new "$CONC" "$SECS"
+done
+
+echo "== token flow (fetch a token, then use it)"
+gen_run token-flow idemgate-sqlite token http://127.0.0.1:18080 /tok/order "$CONC" "$SECS"
+gen_run token-flow idemgate-redis-pg token http://127.0.0.1:18180 /tok/order "$CONC" "$SECS"
+
+echo "== duplicate storm (1000 concurrent, one key) and memory"
+RSS_BEFORE=$(rss_kib $GW_PG)
+curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
+gen_run storm idemgate-redis-pg storm http://127.0.0.1:18180/actions/storm 1000
+EXEC_PG=$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])")
+curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
+gen_run storm idemgate-sqlite storm http://127.0.0.1:18080/actions/storm 1000
+EXEC_SQLITE=$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])")
+RSS_AFTER=$(rss_kib $GW_PG); HWM=$(hwm_kib $GW_PG)
+
+# --- the table ---------------------------------------------------------------
+mkdir -p loadtest/results
+python3 - "$RES" "$EXEC_PG" "$EXEC_SQLITE" "$RSS_BEFORE" "$RSS_AFTER" "$HWM" "$SECS" "$ROUNDS" "$CONC" > loadtest/results/latest.md <<'PY'
+import json, sys, statistics, platform, datetime
+res, exec_pg, exec_sqlite, rss0, rss1, hwm, secs, rounds, conc = sys.argv[1:]
+rows = [json.loads(l) for l in open(res)]
+def agg(scenario, target):
+    rs = [r for r in rows if r['scenario'] == scenario and r['target'] == target]
+    if not rs: return None
+    return {k: statistics.median([r[k] for r in rs]) for k in ('rps', 'p50_ms', 'p99_ms')}
+out = []
+p = out.append
+p(f"# Load test results\n\n{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {platform.node()}: 2 cores shared by the load generator, the gateway, the upstream and the databases. `loadtest/run.sh {secs} {rounds}`: medians of {rounds} alternating rounds of {secs}s, {conc} connections.\n")
+def table(title, scenario, targets, base=None):
+    p(f"## {title}\n\n| target | req/s | p50 ms | p99 ms | ratio |\n|---|---|---|---|---|")
+    b = agg(scenario, base) if base else None
+    for t in targets:
+        a = agg(scenario, t)
+        if not a: continue
+        ratio = f"{a['rps']/b['rps']:.2f}× {base}" if b else ""
+        p(f"| {t} | {a['rps']:,.0f} | {a['p50_ms']:.2f} | {a['p99_ms']:.2f} | {ratio} |")
+    p("")
+table("Pass-through (`idempotency = \"none\"`)", "pass-through", ["upstream", "nginx", "idemgate"], "nginx")
+table("Replay (one key, already completed)", "replay", ["idemgate-pass", "idemgate-sqlite", "idemgate-redis-pg"], "idemgate-pass")
+table("First requests (a new key every request; claim durable before forwarding)", "first-requests", ["pgbench-insert", "idemgate-redis-pg", "idemgate-sqlite"], "pgbench-insert")
+table("Token flow (fetch a token, then use it; req/s = flows/s)", "token-flow", ["idemgate-sqlite", "idemgate-redis-pg"])
+p("## Duplicate storm (1000 concurrent requests, one key, upstream = demo-upstream)\n\n| store | executions | statuses | p99 ms |\n|---|---|---|---|")
+for t, e in (("idemgate-redis-pg", exec_pg), ("idemgate-sqlite", exec_sqlite)):
+    r = [x for x in rows if x['scenario'] == 'storm' and x['target'] == t][-1]
+    p(f"| {t} | {e} | {r['statuses']} | {r['p99_ms']:.1f} |")
+p(f"\n## Memory (Redis + Postgres gateway)\n\nRSS before the storm {int(rss0)//1024} MiB, after {int(rss1)//1024} MiB, peak over the whole run {int(hwm)//1024} MiB.\n")
+print("\n".join(out))
+PY
+cat loadtest/results/latest.md
