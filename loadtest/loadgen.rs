@@ -89,12 +89,23 @@ impl Results {
     }
 }
 
-async fn post(client: &HttpClient, url: &str, headers: &[(&str, &str)], body: &'static str) -> Option<(u16, Bytes)> {
+async fn post(
+    client: &HttpClient,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &'static str,
+) -> Option<(u16, Bytes)> {
     let mut req = http::Request::builder().method("POST").uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let response = client.request(req.body(Full::new(Bytes::from_static(body.as_bytes()))).ok()?).await.ok()?;
+    let response = client
+        .request(
+            req.body(Full::new(Bytes::from_static(body.as_bytes())))
+                .ok()?,
+        )
+        .await
+        .ok()?;
     let status = response.status().as_u16();
     let body = response.into_body().collect().await.ok()?.to_bytes();
     Some((status, body))
@@ -118,14 +129,21 @@ async fn main() {
             let deadline = Instant::now() + Duration::from_secs(seconds);
             let started = Instant::now();
             let workers = (0..concurrency).map(|w| {
-                let (client, results, url, run) = (client.clone(), results.clone(), url.clone(), run.clone());
+                let (client, results, url, run) =
+                    (client.clone(), results.clone(), url.clone(), run.clone());
                 tokio::spawn(async move {
                     let mut i = 0u64;
                     while Instant::now() < deadline {
                         let key = format!("{run}-{w}-{i}");
                         i += 1;
                         let t = Instant::now();
-                        let answer = post(&client, &url, &[("idempotency-key", &key)], "{\"amount\":1}").await;
+                        let answer = post(
+                            &client,
+                            &url,
+                            &[("idempotency-key", &key)],
+                            "{\"amount\":1}",
+                        )
+                        .await;
                         results.record(t, answer.map(|(s, _)| s));
                     }
                 })
@@ -138,17 +156,27 @@ async fn main() {
             let deadline = Instant::now() + Duration::from_secs(seconds);
             let started = Instant::now();
             let workers = (0..concurrency).map(|_| {
-                let (client, results, base, path) = (client.clone(), results.clone(), base.clone(), path.clone());
+                let (client, results, base, path) =
+                    (client.clone(), results.clone(), base.clone(), path.clone());
                 tokio::spawn(async move {
                     while Instant::now() < deadline {
                         let t = Instant::now();
-                        let Some((201, body)) = post(&client, &format!("{base}/token"), &[], "").await else {
+                        let Some((201, body)) =
+                            post(&client, &format!("{base}/token"), &[], "").await
+                        else {
                             results.record(t, None);
                             continue;
                         };
-                        let token: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                        let token: serde_json::Value =
+                            serde_json::from_slice(&body).unwrap_or_default();
                         let token = token["token"].as_str().unwrap_or_default().to_owned();
-                        let answer = post(&client, &format!("{base}{path}"), &[("idempotency-token", &token)], "{\"item\":1}").await;
+                        let answer = post(
+                            &client,
+                            &format!("{base}{path}"),
+                            &[("idempotency-token", &token)],
+                            "{\"item\":1}",
+                        )
+                        .await;
                         results.record(t, answer.map(|(s, _)| s));
                     }
                 })
@@ -162,11 +190,18 @@ async fn main() {
             let gate = Arc::new(tokio::sync::Barrier::new(clients as usize));
             let started = Instant::now();
             let workers = (0..clients).map(|_| {
-                let (client, results, url, key, gate) = (client.clone(), results.clone(), url.clone(), key.clone(), gate.clone());
+                let (client, results, url, key, gate) = (
+                    client.clone(),
+                    results.clone(),
+                    url.clone(),
+                    key.clone(),
+                    gate.clone(),
+                );
                 tokio::spawn(async move {
                     gate.wait().await;
                     let t = Instant::now();
-                    let answer = post(&client, &url, &[("idempotency-key", &key)], "{\"storm\":1}").await;
+                    let answer =
+                        post(&client, &url, &[("idempotency-key", &key)], "{\"storm\":1}").await;
                     results.record(t, answer.map(|(s, _)| s));
                 })
             });

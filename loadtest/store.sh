@@ -21,6 +21,6 @@ echo "raw inserts: ${RAW}/s"
 echo "== idemgate store: claim (INSERT…RETURNING) + complete (UPDATE … WHERE epoch), ${SECONDS_PER}s per level"
 OUT=$(target/release/examples/store_bench "$URL?options[search_path]=$SCHEMA" "$SECONDS_PER" 4,16,64)
 echo "$OUT"
-BEST=$(echo "$OUT" | awk -F': ' '{sub("/s","",$2); if ($2>m) m=$2} END {print int(m)}')
+BEST=$(echo "$OUT" | awk -F': ' '{sub("/s","",$2); if ($2+0>m+0) m=$2+0} END {print int(m)}')
 echo "== ratio (best store cycles / raw inserts): $(awk -v a="$BEST" -v b="$RAW" 'BEGIN {printf "%.2f", a/b}')"
 psql -q "$URL" -c "DROP SCHEMA $SCHEMA CASCADE"

@@ -118,10 +118,20 @@ fn has_unsafe_segments(path: &str) -> bool {
     if path.contains("//") {
         return true;
     }
+    // Byte checks only: this runs on every request, so no allocation.
+    let eq = |a: &[u8], b: &[u8]| a.eq_ignore_ascii_case(b);
     path.split('/').skip(1).any(|segment| {
-        let lowered = segment.to_ascii_lowercase();
-        let decoded = lowered.replace("%2e", ".");
-        decoded == "." || decoded == ".." || lowered.contains("%2f") || lowered.contains("%5c")
+        let s = segment.as_bytes();
+        let dot = |part: &[u8]| part == b"." || eq(part, b"%2e");
+        let is_dots = match s.len() {
+            1 | 3 => dot(s),
+            2 => s == b"..",
+            4 => (s[0] == b'.' && eq(&s[1..], b"%2e")) || (eq(&s[..3], b"%2e") && s[3] == b'.'),
+            6 => eq(s, b"%2e%2e"),
+            _ => false,
+        };
+        let encoded_separator = s.windows(3).any(|w| eq(w, b"%2f") || eq(w, b"%5c"));
+        is_dots || encoded_separator
     })
 }
 
@@ -185,6 +195,9 @@ mod tests {
     #[test]
     fn unsafe_segments_are_detected() {
         for bad in [
+            "/a/.%2e/b",
+            "/a/%2E./b",
+            "/a%5Cb",
             "/a/../b",
             "/a/./b",
             "/a/%2e%2E/b",

@@ -173,7 +173,7 @@ async fn migrate_keys_and_sweep_commands_work_on_the_embedded_store() {
             "rid",
             now,
             Duration::from_secs(30),
-            Duration::from_secs(1),
+            Duration::from_millis(1),
         )
         .await
         .unwrap()

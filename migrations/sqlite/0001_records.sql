@@ -1,13 +1,18 @@
 -- SQLite twin of migrations/postgres: the same tables, columns and indexes;
--- only the type names differ (BLOB for BYTEA, INTEGER for BIGINT/BOOLEAN).
+-- only the type names differ (BLOB for BYTEA, INTEGER for BIGINT/BOOLEAN),
+-- and SQLite has no fillfactor.
 -- The durable idempotency record: the source of truth (SPEC §1 rule 1).
--- One row per (client scope, route, key); the unique key is what makes the
--- claim `INSERT … ON CONFLICT DO NOTHING` atomic (rule 2).
+-- One row per (route, key, client scope); the primary key is what makes the
+-- claim `INSERT … ON CONFLICT DO NOTHING` atomic (rule 2), and by its prefix
+-- it is also the index `keys show|purge ROUTE KEY` reads across scopes.
+--
+-- Two indexes only, and the completion UPDATE touches neither indexed
+-- column, so Postgres can complete a record as a HOT update (no index
+-- writes); the fillfactor leaves each page room for that new row version.
 CREATE TABLE IF NOT EXISTS idempotency_records (
-    id          INTEGER PRIMARY KEY,
-    scope       TEXT     NOT NULL,
     route       TEXT     NOT NULL,
     idem_key    TEXT     NOT NULL,
+    scope       TEXT     NOT NULL,
     fingerprint TEXT     NOT NULL,
     -- in_flight | completed | uncertain | released
     state       TEXT     NOT NULL,
@@ -21,18 +26,15 @@ CREATE TABLE IF NOT EXISTS idempotency_records (
     body_kept   INTEGER  NOT NULL DEFAULT 0,
     created_at  INTEGER  NOT NULL,          -- unix ms
     updated_at  INTEGER  NOT NULL,
-    expires_at  INTEGER  NOT NULL,
-    -- (route, key, scope): the claim's conflict target, and by its prefix
-    -- the index `keys show|purge ROUTE KEY` reads across client scopes.
-    UNIQUE (route, idem_key, scope)
+    expires_at  INTEGER  NOT NULL,          -- created_at + retention
+    PRIMARY KEY (route, idem_key, scope)
 );
 CREATE INDEX IF NOT EXISTS idempotency_records_expires ON idempotency_records (expires_at);
 
 CREATE TABLE IF NOT EXISTS idempotency_archive (
-    id          INTEGER  NOT NULL,
-    scope       TEXT     NOT NULL,
     route       TEXT     NOT NULL,
     idem_key    TEXT     NOT NULL,
+    scope       TEXT     NOT NULL,
     fingerprint TEXT     NOT NULL,
     state       TEXT     NOT NULL,
     epoch       INTEGER  NOT NULL,

@@ -125,6 +125,11 @@ impl Proxy {
         }
 
         let (mut parts, body) = req.into_parts();
+        // HTTP/1.1 (RFC 9112 §6.3): no Content-Length and no
+        // Transfer-Encoding means no body. Decided before the hop-by-hop
+        // headers (Transfer-Encoding among them) are stripped.
+        let has_body = declared != Some(0)
+            && (declared.is_some() || parts.headers.contains_key(header::TRANSFER_ENCODING));
         let client_ip = parts.extensions.get::<ClientAddr>().map(|a| a.0.ip());
         headers::prepare_request(&mut parts.headers, client_ip);
         let path = parts
@@ -140,7 +145,12 @@ impl Proxy {
             .map_err(|e| ProxyError::BadRequestBody(e.to_string()))?;
         // Counting, not buffering: a body that grows past the limit while it
         // streams aborts the upstream request, which then never completes.
-        let body = Body::new(Limited::new(body, limit as usize));
+        // A request that declares an empty body (most GETs) skips the wrapper.
+        let body = if has_body {
+            Body::new(Limited::new(body, limit as usize))
+        } else {
+            Body::empty()
+        };
         let request = Request::from_parts(parts, body);
 
         let started = Instant::now();

@@ -82,7 +82,7 @@ const CLAIM_TAKEOVER: &str = "UPDATE idempotency_records SET \
      created_at = CASE WHEN expires_at <= $7 OR state = 'released' THEN $7 ELSE created_at END, \
      updated_at = $7, expires_at = $8, status = NULL, headers = NULL, body = NULL, body_kept = FALSE \
      WHERE scope = $1 AND route = $2 AND idem_key = $3 AND ( \
-       expires_at <= $7 OR state = 'released' \
+       (expires_at <= $7 AND NOT (state = 'in_flight' AND lease_until > $7)) OR state = 'released' \
        OR (fingerprint = $4 AND (state = 'uncertain' OR (state = 'in_flight' AND lease_until <= $7))) \
      ) RETURNING epoch";
 
@@ -92,9 +92,11 @@ const SELECT_ONE: &str = "SELECT fingerprint, state, epoch, lease_until, request
 const SELECT_BY_ROUTE_KEY: &str = "SELECT fingerprint, state, epoch, lease_until, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, scope, route, idem_key \
      FROM idempotency_records WHERE route = $1 AND idem_key = $2 ORDER BY scope";
 
+// Leaves every indexed column alone (HOT-eligible on Postgres): retention
+// counts from the claim.
 const COMPLETE: &str = "UPDATE idempotency_records SET \
      state = 'completed', status = $5, headers = $6, body = $7, body_kept = $8, request_id = $9, \
-     lease_until = 0, updated_at = $10, expires_at = $11 \
+     lease_until = 0, updated_at = $10 \
      WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
 
 // Many completions in one statement: one round trip and one commit for a
@@ -102,10 +104,10 @@ const COMPLETE: &str = "UPDATE idempotency_records SET \
 const COMPLETE_MANY_PG: &str = "UPDATE idempotency_records AS r SET \
      state = 'completed', status = v.status, headers = v.headers, body = v.body, \
      body_kept = v.body_kept, request_id = v.request_id, lease_until = 0, \
-     updated_at = v.now, expires_at = v.expires \
+     updated_at = v.now \
      FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::int4[], $6::bytea[], \
-                 $7::bytea[], $8::bool[], $9::text[], $10::int8[], $11::int8[]) \
-          AS v(scope, route, idem_key, epoch, status, headers, body, body_kept, request_id, now, expires) \
+                 $7::bytea[], $8::bool[], $9::text[], $10::int8[]) \
+          AS v(scope, route, idem_key, epoch, status, headers, body, body_kept, request_id, now) \
      WHERE r.scope = v.scope AND r.route = v.route AND r.idem_key = v.idem_key \
        AND r.epoch = v.epoch AND r.state = 'in_flight' \
      RETURNING r.scope, r.route, r.idem_key";
@@ -123,26 +125,29 @@ const PURGE_ALL_SCOPES: &str = "DELETE FROM idempotency_records WHERE route = $1
 // A row is sweepable once its retention is over, unless it is still held
 // under a live lease. The condition is repeated in the outer statement so
 // that Postgres re-checks it on a row a concurrent takeover just renewed.
-const SWEEP_DELETE: &str = "DELETE FROM idempotency_records WHERE id IN ( \
-       SELECT id FROM idempotency_records \
-       WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) ORDER BY id LIMIT $2) \
+const SWEEP_DELETE: &str = "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
+       SELECT route, idem_key, scope FROM idempotency_records \
+       WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
+       ORDER BY expires_at LIMIT $2) \
      AND expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1)";
 
 const SWEEP_ARCHIVE_PG: &str = "WITH moved AS ( \
-       DELETE FROM idempotency_records WHERE id IN ( \
-         SELECT id FROM idempotency_records \
-         WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) ORDER BY id LIMIT $2) \
+       DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
+         SELECT route, idem_key, scope FROM idempotency_records \
+         WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
+         ORDER BY expires_at LIMIT $2) \
        AND expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
-       RETURNING id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at) \
-     INSERT INTO idempotency_archive (id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, archived_at) \
-     SELECT id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, $1 FROM moved";
+       RETURNING scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at) \
+     INSERT INTO idempotency_archive (scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, archived_at) \
+     SELECT scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, $1 FROM moved";
 
 const SWEEP_ARCHIVE_COPY_SQLITE: &str = "INSERT INTO idempotency_archive \
-     (id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, archived_at) \
-     SELECT id, scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, $1 \
-     FROM idempotency_records WHERE id IN ( \
-       SELECT id FROM idempotency_records \
-       WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) ORDER BY id LIMIT $2)";
+     (scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, archived_at) \
+     SELECT scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, $1 \
+     FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
+       SELECT route, idem_key, scope FROM idempotency_records \
+       WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
+       ORDER BY expires_at LIMIT $2)";
 
 const COUNT_ARCHIVE: &str = "SELECT COUNT(*) FROM idempotency_archive";
 
@@ -450,7 +455,7 @@ impl SqlStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let headers = encode_headers(&response.headers);
-        let expires_at = after_ms(now, retention);
+        let _ = retention; // retention counts from the claim (see COMPLETE)
         let status = i32::from(response.status);
         self.bounded("complete", async {
             with_pool!(self, pool => {
@@ -458,7 +463,7 @@ impl SqlStore {
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
                     .bind(status).bind(&headers).bind(response.body.as_ref())
                     .bind(response.body_kept).bind(&response.request_id)
-                    .bind(now).bind(expires_at)
+                    .bind(now)
                     .execute(pool).await.map(|r| r.rows_affected() == 1)
             })
         })
@@ -494,7 +499,6 @@ impl SqlStore {
                             .bind(&columns.body_kept)
                             .bind(&columns.request_id)
                             .bind(&columns.now)
-                            .bind(&columns.expires)
                             .fetch_all(pool)
                             .await?
                             .iter()
@@ -530,7 +534,6 @@ impl SqlStore {
                             .bind(c.response.body_kept)
                             .bind(&c.response.request_id)
                             .bind(c.now)
-                            .bind(after_ms(c.now, c.retention))
                             .execute(&mut *tx)
                             .await?
                             .rows_affected();
@@ -737,7 +740,6 @@ struct PgColumns {
     body_kept: Vec<bool>,
     request_id: Vec<String>,
     now: Vec<i64>,
-    expires: Vec<i64>,
 }
 
 impl PgColumns {
@@ -752,7 +754,6 @@ impl PgColumns {
         self.body_kept.push(c.response.body_kept);
         self.request_id.push(c.response.request_id.clone());
         self.now.push(c.now);
-        self.expires.push(after_ms(c.now, c.retention));
     }
 }
 
