@@ -26,6 +26,7 @@ const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_MAX_BODY_BYTES: u64 = 1024 * 1024;
 const DEFAULT_HEADER_READ_TIMEOUT: &str = "10s";
 const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+const DEFAULT_BODY_READ_TIMEOUT: &str = "30s";
 const DEFAULT_SHUTDOWN_GRACE: &str = "30s";
 
 /// The embedded store every fresh checkout runs on.
@@ -80,6 +81,10 @@ pub struct ServerConfig {
     /// A client must finish sending its request head within this time.
     #[serde(default = "default_header_read_timeout")]
     pub header_read_timeout: HumanDuration,
+    /// A protected route must receive the whole request body within this
+    /// (it is buffered to fingerprint it); slower clients get 408.
+    #[serde(default = "default_body_read_timeout")]
+    pub body_read_timeout: HumanDuration,
     /// Connections beyond this wait in the kernel's accept queue.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
@@ -315,6 +320,9 @@ fn default_max_body_bytes() -> u64 {
 fn default_header_read_timeout() -> HumanDuration {
     DEFAULT_HEADER_READ_TIMEOUT.into()
 }
+fn default_body_read_timeout() -> HumanDuration {
+    DEFAULT_BODY_READ_TIMEOUT.into()
+}
 fn default_max_connections() -> usize {
     DEFAULT_MAX_CONNECTIONS
 }
@@ -371,6 +379,7 @@ impl Default for ServerConfig {
             admin_listen: default_admin_listen(),
             max_body_bytes: default_max_body_bytes(),
             header_read_timeout: default_header_read_timeout(),
+            body_read_timeout: default_body_read_timeout(),
             max_connections: default_max_connections(),
             shutdown_grace: default_shutdown_grace(),
         }

@@ -206,6 +206,12 @@ impl From<&crate::router::RouteError> for Problem {
                 "The request path holds dot-segments or empty segments",
             )
             .detail("paths with '.', '..' or '//' segments are refused so that no route can be reached through another"),
+            E::AmbiguousFraming => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "ambiguous-framing",
+                "The request has both Content-Length and Transfer-Encoding",
+            )
+            .detail("send one framing header; the connection is closed"),
         }
     }
 }
@@ -240,6 +246,15 @@ impl From<&crate::idempotency::IdempotencyError> for Problem {
                 "bad-request-body",
                 "The request body could not be read",
             ),
+            E::BodyTimeout(after) => Problem::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body-timeout",
+                "The request body did not arrive in time",
+            )
+            .detail(format!(
+                "the whole body must arrive within {}s; nothing was forwarded or stored",
+                after.as_secs()
+            )),
             E::Mismatch => Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",

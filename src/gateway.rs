@@ -221,6 +221,7 @@ fn build_router(
                 route: r.name.as_str().into(),
                 identity_header: identity_header.clone(),
                 max_body_bytes: config.server.max_body_bytes,
+                body_read_timeout: config.server.body_read_timeout.get(),
                 max_stored_body_bytes: config.store.max_stored_body_bytes,
                 on_concurrent: r.on_concurrent,
                 wait_limit: config

@@ -37,6 +37,8 @@ pub enum RouteError {
     MethodNotAllowed { allow: String },
     #[error("the path holds dot or empty segments")]
     InvalidPath,
+    #[error("both Content-Length and Transfer-Encoding")]
+    AmbiguousFraming,
 }
 
 /// One entry of the table.
@@ -67,6 +69,15 @@ impl Router {
     }
 
     fn find(&self, req: &Request<Body>) -> Result<&Route, RouteError> {
+        // RFC 9112 §6.3: a request with both is a smuggling attempt until
+        // proven otherwise; the gateway and an upstream could disagree on
+        // where it ends. Refused, and the connection is closed.
+        let headers = req.headers();
+        if headers.contains_key(http::header::TRANSFER_ENCODING)
+            && headers.contains_key(http::header::CONTENT_LENGTH)
+        {
+            return Err(RouteError::AmbiguousFraming);
+        }
         let path = req.uri().path();
         if has_unsafe_segments(path) {
             return Err(RouteError::InvalidPath);
@@ -161,7 +172,15 @@ impl Service<Request<Body>> for Router {
             Ok(route) => route,
             Err(e) => {
                 tracing::debug!(path = %req.uri().path().escape_debug(), error = %e, "no route");
-                return Box::pin(std::future::ready(Ok(Problem::from(&e).into_response())));
+                let mut response = Problem::from(&e).into_response();
+                if matches!(e, RouteError::AmbiguousFraming) {
+                    // Whatever follows on this connection cannot be trusted.
+                    response.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
+                return Box::pin(std::future::ready(Ok(response)));
             }
         };
         let name = route.name.clone();

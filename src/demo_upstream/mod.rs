@@ -97,10 +97,19 @@ impl hyper::service::Service<Request<Incoming>> for DemoService {
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         let app = self.app.clone();
-        Box::pin(async move {
+        // Like most real services, finish the business action even if the
+        // caller goes away mid-request: the handler runs as its own task, so
+        // a dropped connection cannot cancel a commit half-way. (This is what
+        // makes "the gateway died after forwarding" a real lost-ACK case.)
+        let work = tokio::spawn(async move {
             let response: Result<Response<Body>, Infallible> =
                 app.oneshot(req.map(Body::new)).await;
-            let Ok(response) = response;
+            response
+        });
+        Box::pin(async move {
+            let Ok(Ok(response)) = work.await else {
+                return Err(std::io::Error::other("demo handler panicked"));
+            };
             if response.extensions().get::<DropConnection>().is_some() {
                 return Err(std::io::Error::other("demo fault: connection dropped"));
             }

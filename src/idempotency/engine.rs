@@ -45,6 +45,8 @@ pub enum IdempotencyError {
     BodyTooLarge { limit: u64 },
     #[error("request body unreadable: {0}")]
     BadBody(String),
+    #[error("request body not received within {0:?}")]
+    BodyTimeout(Duration),
     #[error("key reused for a different request")]
     Mismatch,
     #[error("a request with this key is in flight")]
@@ -59,6 +61,8 @@ pub struct EngineSettings {
     pub route: Arc<str>,
     pub identity_header: HeaderName,
     pub max_body_bytes: u64,
+    /// Bound on receiving the whole request body.
+    pub body_read_timeout: Duration,
     pub max_stored_body_bytes: usize,
     pub on_concurrent: OnConcurrent,
     /// How long a waiting duplicate waits (the upstream's timeout).
@@ -111,16 +115,21 @@ impl Engine {
         if let Head::Bypass = head {
             return forward_plain(inner, Request::from_parts(parts, body)).await;
         }
-        let (bytes, fingerprint) =
-            match read_and_fingerprint(&parts, body, self.settings.max_body_bytes).await {
-                Ok(read) => read,
-                Err(BodyError::TooLarge { limit }) => {
-                    return self.refuse::<P>(IdempotencyError::BodyTooLarge { limit }, None);
-                }
-                Err(BodyError::Broken(e)) => {
-                    return self.refuse::<P>(IdempotencyError::BadBody(e), None);
-                }
-            };
+        // A slow-drip body must not hold a connection (and, later, a claim)
+        // forever: the whole body arrives within the deadline or the
+        // request is refused before anything is stored.
+        let deadline = self.settings.body_read_timeout;
+        let read = read_and_fingerprint(&parts, body, self.settings.max_body_bytes);
+        let (bytes, fingerprint) = match tokio::time::timeout(deadline, read).await {
+            Ok(Ok(read)) => read,
+            Ok(Err(BodyError::TooLarge { limit })) => {
+                return self.refuse::<P>(IdempotencyError::BodyTooLarge { limit }, None);
+            }
+            Ok(Err(BodyError::Broken(e))) => {
+                return self.refuse::<P>(IdempotencyError::BadBody(e), None);
+            }
+            Err(_) => return self.refuse::<P>(IdempotencyError::BodyTimeout(deadline), None),
+        };
         let (key, replay_only) = match head {
             Head::Key(key) => (key, None),
             Head::ReplayOnly { key, refusal } => (key, Some(refusal)),

@@ -1,0 +1,255 @@
+//! Hostile input, sent as raw bytes: request smuggling framings, slow
+//! clients, endless bodies, header injection. Oracle: the demo upstream's
+//! own counters — a smuggled request never executes.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::Stack;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const ROUTES: &str = r#"
+    [[routes]]
+    name = "pass"
+    methods = ["GET"]
+    path_prefix = "/"
+    upstream = "demo"
+
+    [[routes]]
+    name = "act"
+    methods = ["POST"]
+    path_prefix = "/actions/"
+    upstream = "demo"
+    idempotency = "key"
+"#;
+
+const PASS_ROUTES: &str = r#"
+    [[routes]]
+    name = "pass"
+    path_prefix = "/"
+    upstream = "demo"
+"#;
+
+/// Sends raw bytes; returns what came back before the connection closed
+/// (or the timeout passed).
+async fn raw(stack: &Stack, bytes: &[u8], wait: Duration) -> String {
+    let mut conn = TcpStream::connect(stack.gateway.public_addr).await.unwrap();
+    let _ = conn.write_all(bytes).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(wait, conn.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+const SMUGGLED: &str =
+    "0\r\n\r\nPOST /actions/smuggled HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n";
+
+#[tokio::test]
+async fn smuggling_framings_are_refused_and_nothing_smuggled_executes() {
+    for routes in [PASS_ROUTES, ROUTES] {
+        let stack = Stack::start(routes).await;
+        let cases = [
+            (
+                "content-length plus transfer-encoding",
+                format!(
+                    "POST /actions/front HTTP/1.1\r\nhost: x\r\nidempotency-key: k1\r\ncontent-length: 6\r\ntransfer-encoding: chunked\r\n\r\n{SMUGGLED}"
+                ),
+            ),
+            (
+                "two content-lengths",
+                format!(
+                    "POST /actions/front HTTP/1.1\r\nhost: x\r\nidempotency-key: k2\r\ncontent-length: 0\r\ncontent-length: {}\r\n\r\n{SMUGGLED}",
+                    SMUGGLED.len()
+                ),
+            ),
+            (
+                "obfuscated transfer-encoding",
+                format!(
+                    "POST /actions/front HTTP/1.1\r\nhost: x\r\nidempotency-key: k3\r\ntransfer-encoding: xchunked\r\n\r\n{SMUGGLED}"
+                ),
+            ),
+            (
+                "transfer-encoding list",
+                format!(
+                    "POST /actions/front HTTP/1.1\r\nhost: x\r\nidempotency-key: k4\r\ntransfer-encoding: chunked, identity\r\n\r\n{SMUGGLED}"
+                ),
+            ),
+            (
+                "space before colon",
+                format!(
+                    "POST /actions/front HTTP/1.1\r\nhost: x\r\nidempotency-key: k5\r\ntransfer-encoding : chunked\r\ncontent-length: 6\r\n\r\n{SMUGGLED}"
+                ),
+            ),
+        ];
+        for (what, request) in cases {
+            let answer = raw(&stack, request.as_bytes(), Duration::from_secs(3)).await;
+            let status = answer.split(' ').nth(1).unwrap_or("closed");
+            {
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "smuggling: {what}: {status}");
+            }
+            // hyper resolves Content-Length + Transfer-Encoding as RFC 9112
+            // §6.3 allows: chunked wins, Content-Length is dropped, and the
+            // connection is closed after the answer. Every other framing is
+            // refused.
+            let one_request_then_close = what.starts_with("content-length plus");
+            assert!(
+                answer.is_empty()
+                    || answer.starts_with("HTTP/1.1 400")
+                    || (one_request_then_close && answer.starts_with("HTTP/1.1 201")),
+                "{what}: unexpected answer {status}: {answer}"
+            );
+            // Exactly one answer: nothing after the refused request was
+            // read as a request of its own.
+            assert!(answer.matches("HTTP/1.1").count() <= 1, "{what}: {answer}");
+            assert_eq!(
+                stack.upstream.state.executions("smuggled", "-"),
+                0,
+                "{what}: a smuggled request executed"
+            );
+        }
+        // At most the one well-formed request (the CL+TE case) reached the
+        // upstream, with its body as the gateway decoded it.
+        assert!(stack.upstream.state.stats().requests <= 1);
+        stack.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn slow_headers_and_slow_bodies_are_cut_off() {
+    let stack = Stack::start_with(ROUTES, |c| {
+        c.server.header_read_timeout = "1s".into();
+        c.server.body_read_timeout = "700ms".into();
+    })
+    .await;
+    // Headers, a byte every 300 ms.
+    let mut conn = TcpStream::connect(stack.gateway.public_addr).await.unwrap();
+    let started = Instant::now();
+    let head = b"GET /echo HTTP/1.1\r\nhost: x\r\nx-slow: aaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    let mut cut = false;
+    for byte in head {
+        if conn.write_all(&[*byte]).await.is_err() {
+            cut = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if started.elapsed() > Duration::from_secs(4) {
+            break;
+        }
+    }
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(cut || text.is_empty() || text.contains("408"), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    // A protected route's body, a byte every 300 ms: 408, nothing stored.
+    let mut conn = TcpStream::connect(stack.gateway.public_addr).await.unwrap();
+    conn.write_all(b"POST /actions/slow HTTP/1.1\r\nhost: x\r\nidempotency-key: slow\r\ncontent-length: 20\r\n\r\n")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let reader = tokio::spawn(async move {
+        let mut buf = vec![0; 4096];
+        let mut text = String::new();
+        for _ in 0..20 {
+            if conn.write_all(b"x").await.is_err() {
+                break;
+            }
+            if let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_millis(300), conn.read(&mut buf)).await
+            {
+                text.push_str(&String::from_utf8_lossy(&buf[..n]));
+                if n == 0 || text.contains("\r\n\r\n") {
+                    break;
+                }
+            }
+        }
+        text
+    });
+    let text = reader.await.unwrap();
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("body-timeout"), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert!(
+        stack
+            .gateway
+            .store
+            .find("act", "slow")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(stack.upstream.state.executions("slow", "-"), 0);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_endless_chunked_body_hits_the_limit() {
+    for (routes, path, key) in [
+        (PASS_ROUTES, "/actions/endless", ""),
+        (ROUTES, "/actions/endless", "idempotency-key: e\r\n"),
+    ] {
+        let stack = Stack::start_with(routes, |c| c.server.max_body_bytes = 64 * 1024).await;
+        let mut conn = TcpStream::connect(stack.gateway.public_addr).await.unwrap();
+        conn.write_all(
+            format!("POST {path} HTTP/1.1\r\nhost: x\r\n{key}transfer-encoding: chunked\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let chunk = format!("1000\r\n{}\r\n", "y".repeat(4096));
+        let started = Instant::now();
+        let mut sent = 0usize;
+        // Keep sending until the gateway answers or stops reading; bounded.
+        while started.elapsed() < Duration::from_secs(5) && sent < 64 * 1024 * 1024 {
+            match tokio::time::timeout(Duration::from_millis(200), conn.write_all(chunk.as_bytes()))
+                .await
+            {
+                Ok(Ok(())) => sent += 4096,
+                _ => break,
+            }
+        }
+        let mut out = vec![0; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(2), conn.read(&mut out))
+            .await
+            .map(|r| r.unwrap_or(0))
+            .unwrap_or(0);
+        let text = String::from_utf8_lossy(&out[..n]);
+        assert!(n == 0 || text.starts_with("HTTP/1.1 413"), "{text}");
+        assert!(
+            sent < 64 * 1024 * 1024,
+            "the gateway kept reading an endless body"
+        );
+        assert_eq!(stack.upstream.state.executions("endless", "-"), 0);
+        stack.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn header_injection_and_bad_keys_are_400() {
+    let stack = Stack::start(ROUTES).await;
+    for (what, header) in [
+        (
+            "bare CR in key",
+            &b"idempotency-key: a\rx-injected: 1\r\n"[..],
+        ),
+        ("NUL in key", b"idempotency-key: a\x00b\r\n"),
+        ("non-ASCII key", b"idempotency-key: \xe2\x82\xac\r\n"),
+        ("empty key", b"idempotency-key: \r\n"),
+    ] {
+        let mut request =
+            b"POST /actions/inj HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n"
+                .to_vec();
+        request.extend_from_slice(header);
+        request.extend_from_slice(b"\r\n");
+        let answer = raw(&stack, &request, Duration::from_secs(3)).await;
+        assert!(
+            answer.is_empty() || answer.starts_with("HTTP/1.1 400"),
+            "{what}: {answer}"
+        );
+    }
+    assert_eq!(stack.upstream.state.stats().requests, 0);
+    stack.shutdown().await;
+}
