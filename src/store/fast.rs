@@ -36,12 +36,13 @@ pub trait FastLayer: Send + Sync + 'static {
     fn get<'a>(&'a self, key: &'a RecordKey)
     -> BoxFuture<'a, Result<Option<FastEntry>, FastError>>;
 
-    /// Stores `entry` only if nothing is stored (`SET NX PX`); true if stored.
-    fn mark<'a>(
+    /// In one atomic step: the entry stored under `entry`'s key if there is
+    /// one, otherwise store `entry` (the in-flight marker) and answer `None`.
+    fn get_or_mark<'a>(
         &'a self,
         entry: &'a FastEntry,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, FastError>>;
+    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>>;
 
     /// Stores `entry`, replacing what was there (`SET PX`).
     fn put<'a>(

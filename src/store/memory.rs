@@ -52,19 +52,21 @@ impl MemoryLayer {
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Stores `entry`; with `only_if_absent`, answers the live entry
+    /// instead when there is one (check and store under one lock).
     fn store(
         &self,
         entry: &FastEntry,
         ttl: Duration,
         only_if_absent: bool,
-    ) -> Result<bool, FastError> {
+    ) -> Result<Option<Arc<FastEntry>>, FastError> {
         let now = Instant::now();
         let mut shard = self.shard(entry.key());
-        if let Some((expires, _)) = shard.get(entry.key())
+        if let Some((expires, existing)) = shard.get(entry.key())
             && only_if_absent
             && *expires > now
         {
-            return Ok(false);
+            return Ok(Some(existing.clone()));
         }
         if shard.len() >= self.max_per_shard {
             shard.retain(|_, (expires, _)| *expires > now);
@@ -73,7 +75,7 @@ impl MemoryLayer {
             }
         }
         shard.insert(entry.key().clone(), (now + ttl, Arc::new(entry.clone())));
-        Ok(true)
+        Ok(None)
     }
 
     /// Drops expired entries (run by the sweeper).
@@ -108,12 +110,15 @@ impl FastLayer for MemoryLayer {
         Box::pin(std::future::ready(Ok(found.map(|e| (*e).clone()))))
     }
 
-    fn mark<'a>(
+    fn get_or_mark<'a>(
         &'a self,
         entry: &'a FastEntry,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, FastError>> {
-        Box::pin(std::future::ready(self.store(entry, ttl, true)))
+    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
+        let found = self
+            .store(entry, ttl, true)
+            .map(|existing| existing.map(|e| (*e).clone()));
+        Box::pin(std::future::ready(found))
     }
 
     fn put<'a>(

@@ -10,9 +10,9 @@
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
+use redis::AsyncCommands;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncCommands, SetExpiry, SetOptions};
 use tokio::sync::OnceCell;
 
 use super::RecordKey;
@@ -36,7 +36,17 @@ pub struct RedisLayer {
     target: Target,
     cluster: OnceCell<ClusterConnection>,
     prefix: String,
+    get_or_mark: redis::Script,
 }
+
+/// GET, or SET … PX when absent, in one atomic step and one round trip
+/// (a script runs alone on its shard). Answers the existing value or nil.
+const GET_OR_MARK: &str = r#"
+local existing = redis.call('GET', KEYS[1])
+if existing then return existing end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false
+"#;
 
 fn backend(e: redis::RedisError) -> FastError {
     FastError::Backend(e.to_string())
@@ -72,6 +82,7 @@ impl RedisLayer {
             target,
             cluster: OnceCell::new(),
             prefix: prefix.to_owned(),
+            get_or_mark: redis::Script::new(GET_OR_MARK),
         })
     }
 
@@ -118,20 +129,22 @@ impl FastLayer for RedisLayer {
         })
     }
 
-    fn mark<'a>(
+    fn get_or_mark<'a>(
         &'a self,
         entry: &'a FastEntry,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, FastError>> {
+    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
         Box::pin(async move {
             let name = storage_key(&self.prefix, entry.key());
-            let options = SetOptions::default()
-                .conditional_set(redis::ExistenceCheck::NX)
-                .with_expiration(SetExpiry::PX(ttl.as_millis().max(1) as u64));
-            let set: Option<String> = with_conn!(self.conn().await?, c => {
-                c.set_options(&name, encode_entry(entry), options).await.map_err(backend)?
+            let millis = ttl.as_millis().max(1) as u64;
+            let mut invocation = self.get_or_mark.key(&name);
+            invocation.arg(encode_entry(entry)).arg(millis);
+            let found: Option<Vec<u8>> = with_conn!(self.conn().await?, c => {
+                invocation.invoke_async(&mut c).await.map_err(backend)?
             });
-            Ok(set.is_some())
+            found
+                .map(|bytes| decode_entry(&bytes).map_err(FastError::Corrupt))
+                .transpose()
         })
     }
 

@@ -199,7 +199,13 @@ impl SqlStore {
                 .map_err(unavailable)?
                 // The server abandons a query the gateway has given up on,
                 // instead of holding its locks.
-                .options([("statement_timeout", statement_timeout.as_str())]);
+                .options([("statement_timeout", statement_timeout.as_str())])
+                // sqlx prepares every statement; after five runs Postgres
+                // may switch to a generic plan costed on the table as it was
+                // then — empty at first start, where a sequential scan looks
+                // cheapest — and keep it as the table grows. Our statements
+                // are tiny to plan; always plan them for the real table.
+                .options([("plan_cache_mode", "force_custom_plan")]);
             let pool = PgPoolOptions::new()
                 .max_connections(settings.pool_size)
                 .acquire_timeout(settings.timeout)

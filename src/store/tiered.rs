@@ -1,13 +1,15 @@
 //! [`Store`]: the fast layer in front of the SQL record.
 //!
 //! Claim protocol, in order:
-//! 1. Read the fast layer (bounded by `store.fast_layer_budget`). A verified
-//!    completed entry with the same fingerprint is replayed; a verified
-//!    in-flight marker with the same fingerprint is answered "in flight".
-//!    Neither touches SQL. Anything else — no entry, another fingerprint, a
-//!    foreign or corrupt value — goes on.
-//! 2. Place an in-flight marker with `SET NX PX` (lease). Losing that race
-//!    means a duplicate is running: "in flight", no SQL.
+//! 1. In one atomic fast-layer step (a Lua script on Redis, one lock in
+//!    process; bounded by `store.fast_layer_budget`): read what is stored,
+//!    or, if nothing is, place an in-flight marker that expires with the
+//!    lease. A verified completed entry with the same fingerprint is
+//!    replayed; a verified in-flight marker with the same fingerprint is
+//!    answered "in flight". Neither touches SQL. Anything else — another
+//!    fingerprint, a foreign or corrupt value — goes on to SQL unmarked.
+//! 2. (Only a request that placed the marker, or that could not use the fast
+//!    layer, gets here.)
 //! 3. Claim in SQL — always, for every request that could win. SQL decides;
 //!    the marker only spares SQL the duplicates. If SQL says anything but
 //!    "won" (Redis had lost its keys), the marker is removed again and a
@@ -122,7 +124,19 @@ impl Store {
         let started = Instant::now();
         let mut marked = false;
         if let Some(fast) = &self.fast {
-            match self.fast("get", fast.get(key)).await {
+            let marker = FastEntry::InFlight {
+                key: key.clone(),
+                fingerprint: fingerprint.to_owned(),
+            };
+            // One atomic round trip: what is stored, or our marker placed.
+            match self
+                .fast(
+                    "get_or_mark",
+                    fast.get_or_mark(&marker, self.settings.lease),
+                )
+                .await
+            {
+                Some(None) => marked = true,
                 Some(Some(entry)) if entry.key() == key && entry.fingerprint() == fingerprint => {
                     match entry {
                         FastEntry::Completed { response, .. } => {
@@ -142,24 +156,6 @@ impl Store {
                     tracing::warn!(route = %key.route, key = %key.escaped(), layer = "fast", "foreign fast-layer value ignored");
                 }
                 Some(Some(_)) => {} // another fingerprint: SQL answers (422)
-                Some(None) => {
-                    let marker = FastEntry::InFlight {
-                        key: key.clone(),
-                        fingerprint: fingerprint.to_owned(),
-                    };
-                    match self
-                        .fast("mark", fast.mark(&marker, self.settings.lease))
-                        .await
-                    {
-                        Some(true) => marked = true,
-                        Some(false) => {
-                            return Ok(Claim::InFlight {
-                                retry_after: self.settings.lease,
-                            });
-                        }
-                        None => {}
-                    }
-                }
                 None => {}
             }
         }
