@@ -6,6 +6,7 @@
 //! loadgen unique URL CONCURRENCY SECONDS      # POST, a fresh key each time
 //! loadgen token  BASE PATH CONCURRENCY SECONDS  # POST BASE/token, then POST BASE+PATH with it
 //! loadgen storm  URL CLIENTS                  # CLIENTS concurrent POSTs, one key
+//! loadgen soak   URL RATE SECONDS DUP_PERCENT  # fixed rate; DUP_PERCENT% reuse a sent key
 //! ```
 //! Only ever point it at 127.0.0.1: every run is bounded in time or count.
 
@@ -207,6 +208,50 @@ async fn main() {
             });
             futures_util::future::join_all(workers).await;
             results.report("storm", started.elapsed());
+        }
+        "soak" => {
+            let (url, rate, seconds, dup) = (arg(1), num(2, 200), num(3, 600), num(4, 10));
+            let sent = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+            let in_flight = Arc::new(tokio::sync::Semaphore::new(512));
+            let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let started = Instant::now();
+            let deadline = started + Duration::from_secs(seconds);
+            let mut i = 0u64;
+            let mut tasks = Vec::new();
+            while Instant::now() < deadline {
+                ticker.tick().await;
+                i += 1;
+                // Deterministic mix: every (100 / dup)-th request repeats an
+                // earlier key, the rest are new.
+                let repeat = dup > 0 && i % (100 / dup.max(1)) == 0;
+                let key = {
+                    let mut sent = sent.lock().unwrap();
+                    if repeat && !sent.is_empty() {
+                        let pick = (i as usize * 7919) % sent.len();
+                        sent[pick].clone()
+                    } else {
+                        let key = format!("soak-{run}-{i}");
+                        sent.push(key.clone());
+                        key
+                    }
+                };
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    break;
+                };
+                let (client, results, url) = (client.clone(), results.clone(), url.clone());
+                tasks.push(tokio::spawn(async move {
+                    let t = Instant::now();
+                    let answer =
+                        post(&client, &url, &[("idempotency-key", &key)], "{\"soak\":1}").await;
+                    results.record(t, answer.map(|(s, _)| s));
+                    drop(permit);
+                }));
+            }
+            futures_util::future::join_all(tasks).await;
+            let unique = sent.lock().unwrap().len();
+            eprintln!("{{\"unique_keys\":{unique}}}");
+            results.report("soak", started.elapsed());
         }
         other => {
             eprintln!("unknown mode {other:?}; see the file's docs");

@@ -561,3 +561,70 @@ async fn unreachable_store_is_503_and_nothing_is_forwarded() {
     proxy.set(Mode::Pass);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_response_cut_mid_body_is_uncertain_and_the_retry_is_forwarded() {
+    let stack = Stack::start(&key_route("")).await;
+    let order = "{\"item\":\"book\",\"amount\":1,\"coupon\":\"CUT\"}";
+    let cut = post(
+        &stack,
+        "/orders",
+        "cut-1",
+        order,
+        &[("x-demo-cut-body", "1")],
+    )
+    .await;
+    assert_eq!(cut.status, 502);
+    assert_eq!(cut.problem_type(), "urn:idemgate:problem:upstream-broken");
+    let record = stack.gateway.store.find("orders", "cut-1").await.unwrap();
+    assert_eq!(record[0].state, idemgate::store::RecordState::Uncertain);
+    let retry = post(&stack, "/orders", "cut-1", order, &[]).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.json()["repeat"], true);
+    assert_eq!(stack.upstream.state.executions("deduct_coupon", "CUT"), 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn network_faults_between_gateway_and_upstream() {
+    use support::services::{FaultProxy, Mode};
+    let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let proxy = FaultProxy::start(upstream.addr).await;
+    let mut config = support::config(upstream.addr, &key_route(""));
+    config.upstreams[0].url = format!("http://127.0.0.1:{}", proxy.port);
+    config.upstreams[0].timeout = "500ms".into();
+    let gateway = idemgate::gateway::start(config).await.unwrap();
+    let http = Http::default();
+    let url = format!("http://{}/orders", gateway.public_addr);
+    let send = |key: &'static str| {
+        let http = http.clone();
+        let url = url.clone();
+        // One coupon per order: a second deduction would show as a 2.
+        let order = format!("{{\"item\":\"book\",\"amount\":1,\"coupon\":\"{key}\"}}");
+        async move {
+            http.send("POST", &url, &[("idempotency-key", key)], order)
+                .await
+        }
+    };
+    // Delayed past the upstream timeout: 504, uncertain.
+    proxy.set(Mode::Delay(Duration::from_millis(1500)));
+    assert_eq!(send("net-1").await.status, 504);
+    // The answer cut after 20 bytes (the upstream committed): 502.
+    proxy.set(Mode::CutAfter(20));
+    assert_eq!(send("net-2").await.status, 502);
+    // Connections refused: 502, released.
+    proxy.set(Mode::Refuse);
+    assert_eq!(send("net-3").await.status, 502);
+    // Healthy again: every retry resolves, and nothing ran twice.
+    proxy.set(Mode::Pass);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for key in ["net-1", "net-2", "net-3"] {
+        let a = send(key).await;
+        assert_eq!(a.status, 201, "{key}");
+    }
+    for key in ["net-1", "net-2", "net-3"] {
+        assert_eq!(upstream.state.executions("deduct_coupon", key), 1, "{key}");
+    }
+    gateway.shutdown().await;
+    upstream.shutdown().await;
+}

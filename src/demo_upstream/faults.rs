@@ -2,7 +2,9 @@
 //!
 //! Per request, through headers: `X-Demo-Delay-Ms: 500`,
 //! `X-Demo-Fail-Status: 503`, `X-Demo-Drop: before|after` (drop the
-//! connection before acting, or after committing — the lost ACK).
+//! connection before acting, or after committing — the lost ACK),
+//! `X-Demo-Cut-Body: 1` (commit, send the head and a few body bytes, then
+//! reset — a response cut mid-body).
 //! Armed for the next N requests, through `POST /faults` with
 //! `{"delay_ms": 500, "fail_status": 503, "drop": "after", "count": 1}`
 //! (`count` absent: until `DELETE /faults`). Armed faults are what a retrying
@@ -34,6 +36,8 @@ pub struct FaultPlan {
     pub delay_ms: Option<u64>,
     pub fail_status: Option<u16>,
     pub drop: Option<DropPoint>,
+    #[serde(default)]
+    pub cut_body: bool,
     /// How many requests the plan applies to; absent = all until cleared.
     pub count: Option<u64>,
 }
@@ -44,12 +48,16 @@ pub(super) struct Faults {
     pub delay: Option<Duration>,
     pub fail_status: Option<u16>,
     pub drop: Option<DropPoint>,
+    pub cut_body: bool,
 }
 
 impl FaultPlan {
     /// Takes this request's share of the armed plan.
     pub(super) fn take(&mut self) -> Faults {
-        let armed = self.delay_ms.is_some() || self.fail_status.is_some() || self.drop.is_some();
+        let armed = self.delay_ms.is_some()
+            || self.fail_status.is_some()
+            || self.drop.is_some()
+            || self.cut_body;
         if !armed || self.count == Some(0) {
             return Faults::default();
         }
@@ -60,6 +68,7 @@ impl FaultPlan {
             delay: self.delay_ms.map(Duration::from_millis),
             fail_status: self.fail_status,
             drop: self.drop,
+            cut_body: self.cut_body,
         }
     }
 }
@@ -73,6 +82,9 @@ impl Faults {
         }
         if let Some(status) = get("x-demo-fail-status").and_then(|v| v.parse().ok()) {
             self.fail_status = Some(status);
+        }
+        if get("x-demo-cut-body").is_some() {
+            self.cut_body = true;
         }
         match get("x-demo-drop") {
             Some("before") => self.drop = Some(DropPoint::Before),

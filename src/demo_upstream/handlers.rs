@@ -90,6 +90,18 @@ async fn apply_faults(State(state): AppState, req: Request, next: Next) -> Respo
     if faults.drop.is_some() {
         response.extensions_mut().insert(DropConnection);
     }
+    if faults.cut_body {
+        // Committed; the head and a few bytes go out, then the stream fails
+        // and hyper resets the connection mid-body.
+        response
+            .headers_mut()
+            .remove(axum::http::header::CONTENT_LENGTH);
+        let chunks: [Result<bytes::Bytes, std::io::Error>; 2] = [
+            Ok(bytes::Bytes::from_static(b"{\"partial\":")),
+            Err(std::io::Error::other("demo fault: body cut")),
+        ];
+        *response.body_mut() = Body::from_stream(futures_util::stream::iter(chunks));
+    }
     response
 }
 

@@ -180,6 +180,11 @@ pub enum Mode {
     Blackhole,
     /// Close every connection at once.
     Refuse,
+    /// Wait this long before forwarding a new connection.
+    Delay(Duration),
+    /// Forward the request, then only this many bytes of the answer, then
+    /// close both sides (a reset mid-response).
+    CutAfter(usize),
 }
 
 impl FaultProxy {
@@ -201,6 +206,35 @@ impl FaultProxy {
                         Mode::Refuse => return,
                         Mode::Blackhole => {
                             let _ = watch.wait_for(|m| *m == Mode::Refuse).await;
+                            return;
+                        }
+                        Mode::Delay(d) => tokio::time::sleep(d).await,
+                        Mode::CutAfter(limit) => {
+                            let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+                                return;
+                            };
+                            let (mut in_read, mut in_write) = inbound.into_split();
+                            let (mut out_read, mut out_write) = outbound.into_split();
+                            let upstream = tokio::spawn(async move {
+                                let _ = tokio::io::copy(&mut in_read, &mut out_write).await;
+                            });
+                            let mut left = limit;
+                            let mut buf = vec![0u8; 8192];
+                            use tokio::io::AsyncReadExt;
+                            while left > 0 {
+                                let Ok(n) = out_read.read(&mut buf).await else {
+                                    break;
+                                };
+                                if n == 0 {
+                                    break;
+                                }
+                                let n = n.min(left);
+                                if in_write.write_all(&buf[..n]).await.is_err() {
+                                    break;
+                                }
+                                left -= n;
+                            }
+                            upstream.abort();
                             return;
                         }
                         Mode::Pass => {}
