@@ -224,7 +224,7 @@ async fn main() {
                 i += 1;
                 // Deterministic mix: every (100 / dup)-th request repeats an
                 // earlier key, the rest are new.
-                let repeat = dup > 0 && i % (100 / dup.max(1)) == 0;
+                let repeat = dup > 0 && i.is_multiple_of(100 / dup.max(1));
                 let key = {
                     let mut sent = sent.lock().unwrap();
                     if repeat && !sent.is_empty() {
