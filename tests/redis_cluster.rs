@@ -32,13 +32,20 @@ async fn start_cluster(test: &str) -> Option<Cluster> {
     for port in &ports {
         let child = Command::new("redis-server")
             .args([
-                "--port", &port.to_string(),
-                "--bind", "127.0.0.1",
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", &format!("nodes-{port}.conf"),
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", &dir.path().display().to_string(),
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                &format!("nodes-{port}.conf"),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                &dir.path().display().to_string(),
             ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -51,8 +58,16 @@ async fn start_cluster(test: &str) -> Option<Cluster> {
             }
         }
     }
-    let cluster = Cluster { nodes, ports, _dir: dir };
-    let addresses: Vec<String> = cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let cluster = Cluster {
+        nodes,
+        ports,
+        _dir: dir,
+    };
+    let addresses: Vec<String> = cluster
+        .ports
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}"))
+        .collect();
     let mut created = false;
     for _ in 0..50 {
         let status = Command::new("redis-cli")
@@ -89,11 +104,20 @@ async fn start_cluster(test: &str) -> Option<Cluster> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_storm_on_a_three_node_redis_cluster_executes_once() {
     let test = "a_storm_on_a_three_node_redis_cluster_executes_once";
-    let Some(cluster) = start_cluster(test).await else { return };
-    let Some(db) = services::postgres(test).await else { return };
+    let Some(cluster) = start_cluster(test).await else {
+        return;
+    };
+    let Some(db) = services::postgres(test).await else {
+        return;
+    };
     let url = format!(
         "redis+cluster://{}",
-        cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",")
+        cluster
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
     );
     let routes = r#"
         [[routes]]
@@ -120,19 +144,35 @@ async fn a_storm_on_a_three_node_redis_cluster_executes_once() {
             let url = stack.url("/actions/cluster");
             let key = format!("key-{}-{round}", i % 10);
             tokio::spawn(async move {
-                http.send("POST", &url, &[("idempotency-key", key.as_str()), ("x-demo-delay-ms", "100")], "{}")
-                    .await
-                    .status
-                    .as_u16()
+                http.send(
+                    "POST",
+                    &url,
+                    &[
+                        ("idempotency-key", key.as_str()),
+                        ("x-demo-delay-ms", "100"),
+                    ],
+                    "{}",
+                )
+                .await
+                .status
+                .as_u16()
             })
         });
-        let statuses: Vec<u16> = futures_util::future::join_all(tasks).await.into_iter().map(Result::unwrap).collect();
-        assert!(statuses.iter().all(|s| *s == 201 || *s == 409), "{statuses:?}");
+        let statuses: Vec<u16> = futures_util::future::join_all(tasks)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert!(
+            statuses.iter().all(|s| *s == 201 || *s == 409),
+            "{statuses:?}"
+        );
     }
     let stats = stack.upstream.state.stats();
     assert_eq!(stats.total_executions, 20, "10 keys x 2 rounds: {stats:?}");
     assert!(stats.executions["cluster"].values().all(|n| *n == 1));
-    let metrics = String::from_utf8(stack.http.get(&stack.admin("/metrics")).await.body.to_vec()).unwrap();
+    let metrics =
+        String::from_utf8(stack.http.get(&stack.admin("/metrics")).await.body.to_vec()).unwrap();
     assert!(
         metrics.contains("idemgate_store_fallback_total{layer=\"redis\"} 0"),
         "the cluster layer fell back to SQL: {metrics}"
