@@ -85,9 +85,17 @@ pub struct ServerConfig {
     /// (it is buffered to fingerprint it); slower clients get 408.
     #[serde(default = "default_body_read_timeout")]
     pub body_read_timeout: HumanDuration,
-    /// Connections beyond this wait in the kernel's accept queue.
+    /// Connections beyond this wait in the kernel's accept queue. Split
+    /// evenly across worker threads (each has its own listening socket, and
+    /// a shared count could leave a connection waiting on one thread while
+    /// another holds the last slot).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Threads serving the public listener, each with its own event loop,
+    /// listening socket (`SO_REUSEPORT`) and upstream connection pool; 0 =
+    /// one per CPU.
+    #[serde(default)]
+    pub worker_threads: usize,
     /// How long in-flight requests may take to finish after SIGTERM.
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace: HumanDuration,
@@ -381,6 +389,7 @@ impl Default for ServerConfig {
             header_read_timeout: default_header_read_timeout(),
             body_read_timeout: default_body_read_timeout(),
             max_connections: default_max_connections(),
+            worker_threads: 0,
             shutdown_grace: default_shutdown_grace(),
         }
     }

@@ -59,6 +59,7 @@ pub struct RunningGateway {
     trigger: ShutdownTrigger,
     sweeper: JoinHandle<()>,
     tasks: Vec<JoinHandle<()>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl RunningGateway {
@@ -69,19 +70,29 @@ impl RunningGateway {
         for task in self.tasks {
             let _ = task.await;
         }
+        let workers = self.workers;
+        let _ = tokio::task::spawn_blocking(move || {
+            for worker in workers {
+                let _ = worker.join();
+            }
+        })
+        .await;
         self.sweeper.abort();
     }
 }
 
 /// Starts the gateway on the listeners `config` names.
+///
+/// The public listener is served by `server.worker_threads` threads, each
+/// with a single-threaded event loop, its own `SO_REUSEPORT` socket on the
+/// same address (the kernel spreads connections over them) and its own
+/// route stacks and upstream connection pool, so a pass-through request
+/// never crosses threads — the cross-thread wake-ups of a shared
+/// work-stealing pool were the largest cost in the pass-through profile.
+/// The store, the admin listener and the sweeper stay on the calling
+/// runtime; protected routes hand their store calls to it.
 pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
-    let public = server::bind(&config.server.listen, "server.listen").await?;
     let admin = server::bind(&config.server.admin_listen, "server.admin_listen").await?;
-    let public_addr = public.local_addr().map_err(|source| StartError::Bind {
-        key: "server.listen",
-        addr: config.server.listen.clone(),
-        source,
-    })?;
     let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
         key: "server.admin_listen",
         addr: config.server.admin_listen.clone(),
@@ -101,26 +112,73 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         config.store.sweep_interval.get(),
         config.store.archive,
     );
-    let router = build_router(&config, &metrics, &store)?;
-    let app: RouteService = BoxCloneSyncService::new(
-        ServiceBuilder::new()
-            .layer(SetRequestIdLayer::new(X_REQUEST_ID, MakeRequestUuidV7))
-            .layer(PropagateRequestIdLayer::new(X_REQUEST_ID))
-            .service(router),
-    );
+    let (token_keys, random_secret) = TokenKeys::new(&config.tokens.secret);
+    let shared = Arc::new(Shared {
+        config: config.clone(),
+        metrics: metrics.clone(),
+        store: store.clone(),
+        token_keys: Arc::new(token_keys),
+        store_runtime: tokio::runtime::Handle::current(),
+    });
+    // Build once here so that a bad route fails the start, not a thread.
+    let token_routes = build_router(&shared, None)?.1;
+    if random_secret && !token_routes.is_empty() {
+        tracing::warn!(
+            "tokens.secret is empty: using a random secret for this process; tokens will not \
+             survive a restart or work across gateway instances (set IDEMGATE_TOKEN_SECRET)"
+        );
+    }
 
+    let threads = match config.server.worker_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     let limits = ConnLimits {
         header_read_timeout: config.server.header_read_timeout.get(),
-        max_connections: config.server.max_connections,
+        max_connections: config.server.max_connections.div_ceil(threads),
         shutdown_grace: config.server.shutdown_grace.get(),
     };
     let (trigger, signal) = server::shutdown_pair();
-    let public_task = tokio::spawn(server::serve(
-        public,
-        PeerService::factory(app),
-        limits,
-        signal.clone(),
-    ));
+    let requested: SocketAddr =
+        config
+            .server
+            .listen
+            .parse()
+            .map_err(|e: std::net::AddrParseError| StartError::Bind {
+                key: "server.listen",
+                addr: config.server.listen.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+            })?;
+    // The first worker binds what the config says (perhaps port 0); the
+    // others join the port it got.
+    let mut workers = Vec::with_capacity(threads);
+    let mut public_addr = requested;
+    for i in 0..threads {
+        let (ready, bound) = tokio::sync::oneshot::channel();
+        workers.push(spawn_worker(
+            i,
+            public_addr,
+            shared.clone(),
+            limits,
+            signal.clone(),
+            ready,
+        ));
+        match bound.await {
+            Ok(Ok(addr)) => public_addr = addr,
+            Ok(Err(e)) => {
+                trigger.trigger();
+                return Err(e);
+            }
+            Err(_) => {
+                trigger.trigger();
+                return Err(StartError::Route {
+                    route: "server.worker_threads".into(),
+                    reason: "a worker thread failed to start".into(),
+                });
+            }
+        }
+    }
+
     let admin_app = crate::admin::router(crate::admin::AdminState {
         metrics: metrics.clone(),
         store: store.clone(),
@@ -137,6 +195,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         %public_addr,
         %admin_addr,
         routes = config.routes.len(),
+        workers = threads,
         sql = store.sql().backend(),
         fast_layer = store.fast_layer_name(),
         "idemgate listening"
@@ -148,8 +207,78 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         store,
         trigger,
         sweeper,
-        tasks: vec![public_task, admin_task],
+        tasks: vec![admin_task],
+        workers,
     })
+}
+
+/// What every worker thread builds its route stacks from.
+struct Shared {
+    config: Config,
+    metrics: Arc<Metrics>,
+    store: Store,
+    token_keys: Arc<TokenKeys>,
+    store_runtime: tokio::runtime::Handle,
+}
+
+/// One public-listener thread: its own event loop, socket and stacks.
+fn spawn_worker(
+    index: usize,
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    limits: ConnLimits,
+    signal: server::ShutdownSignal,
+    ready: tokio::sync::oneshot::Sender<Result<SocketAddr, StartError>>,
+) -> std::thread::JoinHandle<()> {
+    let key = "server.listen";
+    std::thread::Builder::new()
+        .name(format!("idemgate-worker-{index}"))
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(source) => {
+                    let _ = ready.send(Err(StartError::Bind {
+                        key,
+                        addr: addr.to_string(),
+                        source,
+                    }));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let listener = match server::bind_reuseport(addr) {
+                    Ok(listener) => listener,
+                    Err(source) => {
+                        let _ = ready.send(Err(StartError::Bind {
+                            key,
+                            addr: addr.to_string(),
+                            source,
+                        }));
+                        return;
+                    }
+                };
+                let bound = listener.local_addr().unwrap_or(addr);
+                let router = match build_router(&shared, Some(shared.store_runtime.clone())) {
+                    Ok((router, _)) => router,
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                        return;
+                    }
+                };
+                let app: RouteService = BoxCloneSyncService::new(
+                    ServiceBuilder::new()
+                        .layer(SetRequestIdLayer::new(X_REQUEST_ID, MakeRequestUuidV7))
+                        .layer(PropagateRequestIdLayer::new(X_REQUEST_ID))
+                        .service(router),
+                );
+                let _ = ready.send(Ok(bound));
+                server::serve(listener, PeerService::factory(app), limits, signal).await;
+            });
+        })
+        .expect("spawning a worker thread")
 }
 
 /// `idemgate serve`: runs until SIGTERM or SIGINT, then drains.
@@ -163,13 +292,17 @@ pub async fn run(config: Config) -> Result<(), StartError> {
 }
 
 fn build_router(
-    config: &Config,
-    metrics: &Arc<Metrics>,
-    store: &Store,
-) -> Result<Router, StartError> {
+    shared: &Shared,
+    store_runtime: Option<tokio::runtime::Handle>,
+) -> Result<(Router, BTreeSet<String>), StartError> {
+    let Shared {
+        config,
+        metrics,
+        store,
+        token_keys,
+        ..
+    } = shared;
     let client = build_client();
-    let (token_keys, random_secret) = TokenKeys::new(&config.tokens.secret);
-    let token_keys = Arc::new(token_keys);
     let identity_header: HeaderName =
         config
             .identity
@@ -185,12 +318,6 @@ fn build_router(
         .filter(|r| r.kind == RouteKind::Sync && r.idempotency() == Idempotency::Token)
         .map(|r| r.name.clone())
         .collect();
-    if random_secret && !token_routes.is_empty() {
-        tracing::warn!(
-            "tokens.secret is empty: using a random secret for this process; tokens will not \
-             survive a restart or work across gateway instances (set IDEMGATE_TOKEN_SECRET)"
-        );
-    }
     let mut upstreams = std::collections::HashMap::new();
     for u in &config.upstreams {
         let upstream = Upstream::from_config(u).map_err(|reason| StartError::Route {
@@ -228,6 +355,7 @@ fn build_router(
                     .upstream(&r.upstream)
                     .map(|u| u.timeout.get())
                     .unwrap_or_default(),
+                store_runtime: store_runtime.clone(),
             },
             metrics.clone(),
         );
@@ -279,14 +407,14 @@ fn build_router(
             path: PathMatch::Exact("/token".into()),
         },
         service: BoxCloneSyncService::new(TokenEndpoint::new(
-            token_keys,
+            token_keys.clone(),
             config.tokens.ttl.get(),
             identity_header,
-            token_routes,
+            token_routes.clone(),
         )),
         counters: metrics.route("token"),
     };
-    Ok(Router::new(routes, Some(token)))
+    Ok((Router::new(routes, Some(token)), token_routes))
 }
 
 /// A database URL without its password, for messages.

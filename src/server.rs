@@ -182,6 +182,22 @@ pub async fn bind(
         })
 }
 
+/// A listening socket with `SO_REUSEPORT`, so that every worker thread can
+/// own one on the same address and the kernel spreads connections over
+/// them. (On Linux only sockets of the same user can share a port.)
+pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    #[cfg(unix)]
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
 /// Resolves on SIGTERM or SIGINT.
 pub async fn termination() {
     let interrupt = tokio::signal::ctrl_c();

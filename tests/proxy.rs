@@ -276,7 +276,12 @@ async fn header_read_timeout_disconnects_a_half_sent_request_line() {
 
 #[tokio::test]
 async fn connection_cap_holds_extra_connections_back() {
-    let stack = Stack::start_with(PASS_THROUGH, |c| c.server.max_connections = 1).await;
+    // One worker: the cap is split across worker threads.
+    let stack = Stack::start_with(PASS_THROUGH, |c| {
+        c.server.max_connections = 1;
+        c.server.worker_threads = 1;
+    })
+    .await;
     let addr = stack.gateway.public_addr;
     // Connection A: one keep-alive exchange, then held open.
     let mut a = TcpStream::connect(addr).await.unwrap();
