@@ -135,31 +135,23 @@ async fn the_incident_lost_ack_then_provider_retries_executes_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_concurrent_deliveries_execute_once() {
     let stack = Stack::start(ROUTES).await;
-    let url = stack.url("/mq/push");
-    let tasks = (0..100).map(|_| {
-        let http = stack.http.clone();
-        let url = url.clone();
-        tokio::spawn(async move {
-            http.send(
-                "POST",
-                &url,
-                &[
-                    ("x-msg-id", "m-1"),
-                    ("x-topic", "orders"),
-                    ("x-demo-delay-ms", "100"),
-                ],
-                "",
-            )
-            .await
-            .status
-            .as_u16()
-        })
-    });
-    let statuses: Vec<u16> = futures_util::future::join_all(tasks)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let statuses: Vec<u16> = support::concurrent_posts(
+        &stack.http,
+        100,
+        |_| stack.url("/mq/push"),
+        |_| {
+            support::pairs(&[
+                ("x-msg-id", "m-1"),
+                ("x-topic", "orders"),
+                ("x-demo-delay-ms", "100"),
+            ])
+        },
+        "",
+    )
+    .await
+    .iter()
+    .map(|a| a.status.as_u16())
+    .collect();
     assert!(
         statuses.iter().all(|s| *s == 200 || *s == 409),
         "{statuses:?}"

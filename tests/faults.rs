@@ -112,26 +112,17 @@ async fn two_instances_sharing_redis_and_postgres_execute_a_split_storm_once() {
         stack.url("/actions/split"),
         format!("http://{}/actions/split", second.public_addr),
     ];
-    let tasks = (0..400).map(|i| {
-        let http = stack.http.clone();
-        let url = urls[i % 2].clone();
-        tokio::spawn(async move {
-            http.send(
-                "POST",
-                &url,
-                &[("idempotency-key", "split"), ("x-demo-delay-ms", "150")],
-                "{}",
-            )
-            .await
-            .status
-            .as_u16()
-        })
-    });
-    let statuses: Vec<u16> = futures_util::future::join_all(tasks)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let statuses: Vec<u16> = support::concurrent_posts(
+        &stack.http,
+        400,
+        |i| urls[i % 2].clone(),
+        |_| support::pairs(&[("idempotency-key", "split"), ("x-demo-delay-ms", "150")]),
+        "{}",
+    )
+    .await
+    .iter()
+    .map(|a| a.status.as_u16())
+    .collect();
     assert!(
         statuses.iter().all(|s| *s == 201 || *s == 409),
         "{statuses:?}"
@@ -156,30 +147,25 @@ async fn redis_killed_mid_storm_through_the_gateway_still_executes_once() {
         c.server.max_connections = 1000;
     })
     .await;
+    let http = stack.http.clone();
     let url = stack.url("/actions/storm");
-    let tasks = (0..300).map(|_| {
-        let http = stack.http.clone();
-        let url = url.clone();
-        tokio::spawn(async move {
-            http.send(
-                "POST",
-                &url,
-                &[("idempotency-key", "storm"), ("x-demo-delay-ms", "300")],
-                "{}",
-            )
-            .await
-            .status
-            .as_u16()
-        })
+    let storm = tokio::spawn(async move {
+        support::concurrent_posts(
+            &http,
+            300,
+            |_| url.clone(),
+            |_| support::pairs(&[("idempotency-key", "storm"), ("x-demo-delay-ms", "300")]),
+            "{}",
+        )
+        .await
     });
-    let storm = tokio::spawn(futures_util::future::join_all(tasks));
     tokio::time::sleep(Duration::from_millis(30)).await;
     redis.kill();
     let statuses: Vec<u16> = storm
         .await
         .unwrap()
-        .into_iter()
-        .map(Result::unwrap)
+        .iter()
+        .map(|a| a.status.as_u16())
         .collect();
     assert!(
         statuses.iter().all(|s| *s == 201 || *s == 409),

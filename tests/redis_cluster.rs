@@ -139,30 +139,23 @@ async fn a_storm_on_a_three_node_redis_cluster_executes_once() {
     assert_eq!(ready["fast_layer_state"], "ok", "{ready}");
     // Keys land on different slots, so every node serves some of them.
     for round in 0..2 {
-        let tasks = (0..300).map(|i| {
-            let http = stack.http.clone();
-            let url = stack.url("/actions/cluster");
-            let key = format!("key-{}-{round}", i % 10);
-            tokio::spawn(async move {
-                http.send(
-                    "POST",
-                    &url,
-                    &[
-                        ("idempotency-key", key.as_str()),
-                        ("x-demo-delay-ms", "100"),
-                    ],
-                    "{}",
-                )
-                .await
-                .status
-                .as_u16()
-            })
-        });
-        let statuses: Vec<u16> = futures_util::future::join_all(tasks)
-            .await
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
+        let statuses: Vec<u16> = support::concurrent_posts(
+            &stack.http,
+            300,
+            |_| stack.url("/actions/cluster"),
+            |i| {
+                let key = format!("key-{}-{round}", i % 10);
+                support::pairs(&[
+                    ("idempotency-key", key.as_str()),
+                    ("x-demo-delay-ms", "100"),
+                ])
+            },
+            "{}",
+        )
+        .await
+        .iter()
+        .map(|a| a.status.as_u16())
+        .collect();
         assert!(
             statuses.iter().all(|s| *s == 201 || *s == 409),
             "{statuses:?}"

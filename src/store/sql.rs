@@ -316,7 +316,7 @@ impl SqlStore {
                         columns.push(c);
                     }
                 }
-                let inserted: Vec<(String, String, String)> = self
+                let inserted = self
                     .bounded("claim", async {
                         sqlx::query(CLAIM_INSERT_MANY_PG)
                             .bind(&columns.scope)
@@ -328,21 +328,14 @@ impl SqlStore {
                             .bind(&columns.now)
                             .bind(&columns.expires)
                             .fetch_all(pool)
-                            .await?
-                            .iter()
-                            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
-                            .collect::<Result<_, sqlx::Error>>()
+                            .await
+                            .and_then(|rows| returned_keys(&rows))
                     })
                     .await?;
                 Ok(batch
                     .iter()
                     .zip(first)
-                    .map(|(c, first)| {
-                        first
-                            && inserted.iter().any(|(s, r, k)| {
-                                *s == c.key.scope && *r == c.key.route && *k == c.key.key
-                            })
-                    })
+                    .map(|(c, first)| first && inserted.contains(&c.key))
                     .collect())
             }
             Pool::Postgres(pool) => {
@@ -492,7 +485,7 @@ impl SqlStore {
                 for c in batch {
                     columns.push(c);
                 }
-                let done: Vec<(String, String, String)> = self
+                let done = self
                     .bounded("complete", async {
                         sqlx::query(COMPLETE_MANY_PG)
                             .bind(&columns.scope)
@@ -506,20 +499,11 @@ impl SqlStore {
                             .bind(&columns.request_id)
                             .bind(&columns.now)
                             .fetch_all(pool)
-                            .await?
-                            .iter()
-                            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
-                            .collect::<Result<_, sqlx::Error>>()
+                            .await
+                            .and_then(|rows| returned_keys(&rows))
                     })
                     .await?;
-                Ok(batch
-                    .iter()
-                    .map(|c| {
-                        done.iter().any(|(s, r, k)| {
-                            *s == c.key.scope && *r == c.key.route && *k == c.key.key
-                        })
-                    })
-                    .collect())
+                Ok(batch.iter().map(|c| done.contains(&c.key)).collect())
             }
             Pool::Sqlite(pool) => {
                 // One write transaction, one fsync, for the whole batch.
@@ -761,6 +745,21 @@ impl PgColumns {
         self.request_id.push(c.response.request_id.clone());
         self.now.push(c.now);
     }
+}
+
+/// The records a batched `… RETURNING scope, route, idem_key` touched.
+fn returned_keys(
+    rows: &[sqlx::postgres::PgRow],
+) -> Result<std::collections::HashSet<RecordKey>, sqlx::Error> {
+    rows.iter()
+        .map(|row| {
+            Ok(RecordKey {
+                scope: row.try_get(0)?,
+                route: row.try_get(1)?,
+                key: row.try_get(2)?,
+            })
+        })
+        .collect()
 }
 
 /// What a claim answers when the record exists and could not be taken.

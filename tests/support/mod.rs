@@ -203,3 +203,37 @@ pub async fn eventually<F: std::future::Future<Output = bool>>(
     }
     false
 }
+
+/// `n` POSTs at once — the i-th to `url(i)` with `headers(i)` — and their
+/// answers, in order. The duplicate-storm shape every concurrency test uses.
+pub async fn concurrent_posts(
+    http: &Http,
+    n: usize,
+    url: impl Fn(usize) -> String,
+    headers: impl Fn(usize) -> Vec<(String, String)>,
+    body: &'static str,
+) -> Vec<Answer> {
+    let tasks = (0..n).map(|i| {
+        let http = http.clone();
+        let (url, headers) = (url(i), headers(i));
+        tokio::spawn(async move {
+            let headers: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            http.send("POST", &url, &headers, body).await
+        })
+    });
+    futures_util::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|answer| answer.expect("request task panicked"))
+        .collect()
+}
+
+/// Header pairs from string slices, for [`concurrent_posts`].
+pub fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+    list.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
