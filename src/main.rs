@@ -179,8 +179,11 @@ fn block_on(f: impl std::future::Future<Output = Result<(), String>>) -> ExitCod
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only on a terminal: log files and collectors get plain text.
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
 }

@@ -253,3 +253,77 @@ async fn header_injection_and_bad_keys_are_400() {
     assert_eq!(stack.upstream.state.stats().requests, 0);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn keys_are_logged_escaped_never_raw() {
+    let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", support::dead_port());
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            [server]
+            listen = "{listen}"
+            admin_listen = "127.0.0.1:0"
+            [store]
+            database_url = "sqlite::memory:"
+            [[upstreams]]
+            name = "demo"
+            url = "http://{}"
+            [[routes]]
+            name = "hook"
+            methods = ["POST"]
+            path = "/mq/push"
+            upstream = "demo"
+            kind = "callback"
+            business_key = ["json:/id"]
+            "#,
+            upstream.addr
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("IDEMGATE_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let http = support::Http::default();
+    let url = format!("http://{listen}/mq/push");
+    let up = support::eventually(Duration::from_secs(10), || {
+        let http = http.clone();
+        let url = url.clone();
+        async move { http.try_send("GET", &url, &[], "").await.is_ok() }
+    })
+    .await;
+    assert!(up);
+    // A key that would forge a log line and recolour a terminal.
+    let evil = r#"{"id":"T1\nFAKE LOG LINE level=ERROR\u001b[31m","n":1}"#;
+    assert_eq!(http.send("POST", &url, &[], evil).await.status, 200);
+    let reused = r#"{"id":"T1\nFAKE LOG LINE level=ERROR\u001b[31m","n":2}"#;
+    assert_eq!(http.send("POST", &url, &[], reused).await.status, 422);
+    child.kill().unwrap();
+    let output = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        log.contains("idempotency-key-reused") || log.contains("reused"),
+        "{log}"
+    );
+    assert!(
+        log.contains(r"T1\nFAKE LOG LINE"),
+        "the key was not logged escaped: {log}"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("FAKE LOG LINE")),
+        "a raw newline reached the log"
+    );
+    assert!(
+        !log.contains('\u{1b}'),
+        "a raw escape sequence reached the log"
+    );
+    upstream.shutdown().await;
+}
