@@ -90,7 +90,8 @@ impl RunningGateway {
 /// never crosses threads — the cross-thread wake-ups of a shared
 /// work-stealing pool were the largest cost in the pass-through profile.
 /// The store, the admin listener and the sweeper stay on the calling
-/// runtime; protected routes hand their store calls to it.
+/// runtime; each worker opens its own store connections on its own loop
+/// (see [`crate::store::open_for_worker`]).
 pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     let admin = server::bind(&config.server.admin_listen, "server.admin_listen").await?;
     let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
@@ -108,20 +109,25 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         })?;
     let sweeper = crate::store::sweep::spawn(
         store.sql().clone(),
-        memory,
+        memory.clone(),
         config.store.sweep_interval.get(),
         config.store.archive,
     );
     let (token_keys, random_secret) = TokenKeys::new(&config.tokens.secret);
+    let threads = match config.server.worker_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     let shared = Arc::new(Shared {
         config: config.clone(),
         metrics: metrics.clone(),
         store: store.clone(),
+        memory,
         token_keys: Arc::new(token_keys),
-        store_runtime: tokio::runtime::Handle::current(),
+        workers: threads,
     });
     // Build once here so that a bad route fails the start, not a thread.
-    let token_routes = build_router(&shared, None)?.1;
+    let token_routes = build_router(&shared, &store)?.1;
     if random_secret && !token_routes.is_empty() {
         tracing::warn!(
             "tokens.secret is empty: using a random secret for this process; tokens will not \
@@ -129,10 +135,6 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         );
     }
 
-    let threads = match config.server.worker_threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
     let limits = ConnLimits {
         header_read_timeout: config.server.header_read_timeout.get(),
         max_connections: config.server.max_connections.div_ceil(threads),
@@ -216,9 +218,11 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
 struct Shared {
     config: Config,
     metrics: Arc<Metrics>,
+    /// The main runtime's store (admin, sweeper); workers open their own.
     store: Store,
+    memory: Option<Arc<crate::store::memory::MemoryLayer>>,
     token_keys: Arc<TokenKeys>,
-    store_runtime: tokio::runtime::Handle,
+    workers: usize,
 }
 
 /// One public-listener thread: its own event loop, socket and stacks.
@@ -261,7 +265,25 @@ fn spawn_worker(
                     }
                 };
                 let bound = listener.local_addr().unwrap_or(addr);
-                let router = match build_router(&shared, Some(shared.store_runtime.clone())) {
+                let store = match crate::store::open_for_worker(
+                    &shared.config.store,
+                    shared.store.sql(),
+                    shared.memory.clone(),
+                    shared.metrics.clone(),
+                    shared.workers,
+                )
+                .await
+                {
+                    Ok(store) => store,
+                    Err(source) => {
+                        let _ = ready.send(Err(StartError::Store {
+                            url: redact(&shared.config.store.database_url),
+                            source,
+                        }));
+                        return;
+                    }
+                };
+                let router = match build_router(&shared, &store) {
                     Ok((router, _)) => router,
                     Err(e) => {
                         let _ = ready.send(Err(e));
@@ -291,14 +313,10 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     Ok(())
 }
 
-fn build_router(
-    shared: &Shared,
-    store_runtime: Option<tokio::runtime::Handle>,
-) -> Result<(Router, BTreeSet<String>), StartError> {
+fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<String>), StartError> {
     let Shared {
         config,
         metrics,
-        store,
         token_keys,
         ..
     } = shared;
@@ -355,7 +373,6 @@ fn build_router(
                     .upstream(&r.upstream)
                     .map(|u| u.timeout.get())
                     .unwrap_or_default(),
-                store_runtime: store_runtime.clone(),
             },
             metrics.clone(),
         );

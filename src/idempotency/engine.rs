@@ -67,11 +67,6 @@ pub struct EngineSettings {
     pub on_concurrent: OnConcurrent,
     /// How long a waiting duplicate waits (the upstream's timeout).
     pub wait_limit: Duration,
-    /// The runtime that owns the store's connections, when this engine runs
-    /// on another one (a worker thread's event loop): store calls are
-    /// handed to it, so every database and Redis socket is only ever driven
-    /// by the runtime that opened it.
-    pub store_runtime: Option<tokio::runtime::Handle>,
 }
 
 /// The shared engine of one route.
@@ -164,17 +159,7 @@ impl Engine {
         let deadline = Instant::now() + self.settings.wait_limit;
         let mut pause = WAIT_POLL_START;
         loop {
-            let claim = {
-                let (store, key, fingerprint, request_id) = (
-                    self.store.clone(),
-                    key.clone(),
-                    fingerprint.clone(),
-                    request_id.clone(),
-                );
-                self.on_store(async move { store.claim(&key, &fingerprint, &request_id).await })
-                    .await
-            };
-            match claim {
+            match self.store.claim(&key, &fingerprint, &request_id).await {
                 Err(e) => return self.refuse::<P>(e.into(), Some(&key)),
                 Ok(Claim::Completed(stored)) => return replay(stored),
                 Ok(Claim::Mismatch) => {
@@ -213,11 +198,7 @@ impl Engine {
         fingerprint: &str,
         refusal: Problem,
     ) -> Response<Body> {
-        let found = {
-            let (store, key) = (self.store.clone(), key.clone());
-            self.on_store(async move { store.get(&key).await }).await
-        };
-        match found {
+        match self.store.get(key).await {
             Ok(Some(record)) if record.fingerprint == fingerprint => match record.response {
                 Some(stored) => replay(stored),
                 None => refusal
@@ -303,17 +284,7 @@ impl Engine {
             body: kept.unwrap_or_default(),
             request_id: request_id.to_owned(),
         };
-        let completed = {
-            let (store, key, fingerprint, stored) = (
-                self.store.clone(),
-                key.clone(),
-                fingerprint.to_owned(),
-                stored,
-            );
-            self.on_store(async move { store.complete(&key, epoch, &fingerprint, &stored).await })
-                .await
-        };
-        match completed {
+        match self.store.complete(key, epoch, fingerprint, &stored).await {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 route = %key.route, key = %key.escaped(), layer = P::LAYER, epoch,
@@ -341,11 +312,7 @@ impl Engine {
             tokio::select! {
                 response = &mut forward => return response,
                 _ = ticker.tick() => {
-                    let renewed = {
-                        let (store, key) = (self.store.clone(), key.clone());
-                        self.on_store(async move { store.renew(&key, epoch).await }).await
-                    };
-                    if let Ok(false) = renewed {
+                    if let Ok(false) = self.store.renew(key, epoch).await {
                         tracing::warn!(route = %key.route, key = %key.escaped(), epoch, layer = "engine", "lease lost while the request ran");
                     }
                 }
@@ -354,37 +321,14 @@ impl Engine {
     }
 
     async fn settle(&self, key: &RecordKey, epoch: i64, how: Settle, layer: &'static str) {
-        let result = {
-            let (store, key) = (self.store.clone(), key.clone());
-            self.on_store(async move {
-                match how {
-                    Settle::Release => store.release(&key, epoch).await,
-                    Settle::Uncertain => store.mark_uncertain(&key, epoch).await,
-                }
-            })
-            .await
+        let result = match how {
+            Settle::Release => self.store.release(key, epoch).await,
+            Settle::Uncertain => self.store.mark_uncertain(key, epoch).await,
         };
         if let Err(e) = result {
             // The claim stays in flight until its lease runs out; retries
             // get 409 meanwhile, never a second execution.
             tracing::error!(route = %key.route, key = %key.escaped(), layer, error = %e, ?how, "could not settle the claim");
-        }
-    }
-
-    /// Runs a store call on the store's runtime (see
-    /// [`EngineSettings::store_runtime`]), or right here.
-    async fn on_store<T: Send + 'static>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        match &self.settings.store_runtime {
-            None => call.await,
-            Some(runtime) => runtime.spawn(call).await.unwrap_or_else(|e| {
-                Err(StoreError::Unavailable {
-                    op: "store task",
-                    cause: e.to_string(),
-                })
-            }),
         }
     }
 

@@ -30,6 +30,7 @@ pub mod sql;
 pub mod sweep;
 pub mod tiered;
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -164,39 +165,83 @@ pub fn after_ms(base: i64, d: Duration) -> i64 {
 }
 
 /// The store a config asks for, with its migrations applied, plus the
-/// in-process layer (if that is the fast layer) for the sweeper to trim.
+/// in-process layer (if that is the fast layer) for the sweeper to trim and
+/// for worker stores to share.
 pub async fn open(
     config: &crate::config::StoreConfig,
-    metrics: std::sync::Arc<crate::metrics::Metrics>,
-) -> Result<(Store, Option<std::sync::Arc<memory::MemoryLayer>>), StoreError> {
-    let sql = sql::SqlStore::connect(&sql::SqlSettings {
-        url: config.database_url.clone(),
-        pool_size: config.pool_size,
-        timeout: config.timeout.get(),
-    })
-    .await?;
+    metrics: Arc<crate::metrics::Metrics>,
+) -> Result<(Store, Option<Arc<memory::MemoryLayer>>), StoreError> {
+    let sql = sql::SqlStore::connect(&sql_settings(config, config.pool_size)).await?;
     sql.migrate().await?;
-    let settings = StoreSettings {
+    let memory = config
+        .redis_url
+        .is_empty()
+        .then(|| Arc::new(memory::MemoryLayer::new(memory::DEFAULT_MAX_ENTRIES)));
+    let fast = fast_layer(config, memory.clone())?;
+    Ok((
+        Store::new(sql, Some(fast), settings_of(config), metrics),
+        memory,
+    ))
+}
+
+/// A store for one worker thread's event loop, built on that loop.
+///
+/// Postgres sockets and the Redis connection belong to the runtime that
+/// opened them, so each worker opens its own (a share of `store.pool_size`)
+/// and runs its own batch writers: a protected request never leaves its
+/// thread. SQLite is shared (sqlx drives it from its own thread) and so is
+/// the in-process fast layer (it is one map for the whole process).
+pub async fn open_for_worker(
+    config: &crate::config::StoreConfig,
+    shared_sql: &sql::SqlStore,
+    memory: Option<Arc<memory::MemoryLayer>>,
+    metrics: Arc<crate::metrics::Metrics>,
+    workers: usize,
+) -> Result<Store, StoreError> {
+    let sql = match shared_sql.backend() {
+        "sqlite" => shared_sql.clone(),
+        _ => {
+            let share = (config.pool_size as usize).div_ceil(workers.max(1)).max(2) as u32;
+            sql::SqlStore::connect(&sql_settings(config, share)).await?
+        }
+    };
+    let fast = fast_layer(config, memory)?;
+    Ok(Store::new(sql, Some(fast), settings_of(config), metrics))
+}
+
+fn sql_settings(config: &crate::config::StoreConfig, pool_size: u32) -> sql::SqlSettings {
+    sql::SqlSettings {
+        url: config.database_url.clone(),
+        pool_size,
+        timeout: config.timeout.get(),
+    }
+}
+
+fn settings_of(config: &crate::config::StoreConfig) -> StoreSettings {
+    StoreSettings {
         lease: config.lease.get(),
         retention: config.retention.get(),
         fast_layer_budget: config.fast_layer_budget.get(),
-    };
-    let (fast, memory): (std::sync::Arc<dyn FastLayer>, _) = if config.redis_url.is_empty() {
-        let memory = std::sync::Arc::new(memory::MemoryLayer::new(memory::DEFAULT_MAX_ENTRIES));
-        (memory.clone(), Some(memory))
-    } else {
-        let redis = redis::RedisLayer::new(
-            &config.redis_url,
-            &config.redis_prefix,
-            settings.fast_layer_budget,
-        )
-        .map_err(|e| StoreError::Unavailable {
-            op: "redis",
-            cause: e.to_string(),
-        })?;
-        (std::sync::Arc::new(redis), None)
-    };
-    Ok((Store::new(sql, Some(fast), settings, metrics), memory))
+    }
+}
+
+fn fast_layer(
+    config: &crate::config::StoreConfig,
+    memory: Option<Arc<memory::MemoryLayer>>,
+) -> Result<Arc<dyn FastLayer>, StoreError> {
+    if let Some(memory) = memory {
+        return Ok(memory);
+    }
+    let redis = redis::RedisLayer::new(
+        &config.redis_url,
+        &config.redis_prefix,
+        config.fast_layer_budget.get(),
+    )
+    .map_err(|e| StoreError::Unavailable {
+        op: "redis",
+        cause: e.to_string(),
+    })?;
+    Ok(Arc::new(redis))
 }
 
 impl Record {
