@@ -267,7 +267,7 @@ fn spawn_worker(
                 let bound = listener.local_addr().unwrap_or(addr);
                 let store = match crate::store::open_for_worker(
                     &shared.config.store,
-                    shared.store.sql(),
+                    &shared.store,
                     shared.memory.clone(),
                     shared.metrics.clone(),
                     shared.workers,

@@ -32,10 +32,6 @@ pub trait FastLayer: Send + Sync + 'static {
     /// For the `layer` label of `idemgate_store_fallback_total`.
     fn layer(&self) -> FallbackLayer;
 
-    /// The entry stored for `key`, if any.
-    fn get<'a>(&'a self, key: &'a RecordKey)
-    -> BoxFuture<'a, Result<Option<FastEntry>, FastError>>;
-
     /// In one atomic step: the entry stored under `entry`'s key if there is
     /// one, otherwise store `entry` (the in-flight marker) and answer `None`.
     fn get_or_mark<'a>(

@@ -97,19 +97,6 @@ impl FastLayer for MemoryLayer {
         FallbackLayer::Memory
     }
 
-    fn get<'a>(
-        &'a self,
-        key: &'a RecordKey,
-    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
-        let now = Instant::now();
-        let found = self
-            .shard(key)
-            .get(key)
-            .filter(|(expires, _)| *expires > now)
-            .map(|(_, entry)| entry.clone());
-        Box::pin(std::future::ready(Ok(found.map(|e| (*e).clone()))))
-    }
-
     fn get_or_mark<'a>(
         &'a self,
         entry: &'a FastEntry,

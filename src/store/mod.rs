@@ -189,22 +189,22 @@ pub async fn open(
 /// Postgres sockets and the Redis connection belong to the runtime that
 /// opened them, so each worker opens its own (a share of `store.pool_size`)
 /// and runs its own batch writers: a protected request never leaves its
-/// thread. SQLite is shared (sqlx drives it from its own thread) and so is
-/// the in-process fast layer (it is one map for the whole process).
+/// thread. With SQLite the workers share the main store whole: sqlx drives
+/// SQLite from its own thread anyway, and one set of batch writers makes the
+/// biggest transactions on its single connection (fewest fsyncs); the
+/// in-process fast layer is one map for the whole process.
 pub async fn open_for_worker(
     config: &crate::config::StoreConfig,
-    shared_sql: &sql::SqlStore,
+    shared: &Store,
     memory: Option<Arc<memory::MemoryLayer>>,
     metrics: Arc<crate::metrics::Metrics>,
     workers: usize,
 ) -> Result<Store, StoreError> {
-    let sql = match shared_sql.backend() {
-        "sqlite" => shared_sql.clone(),
-        _ => {
-            let share = (config.pool_size as usize).div_ceil(workers.max(1)).max(2) as u32;
-            sql::SqlStore::connect(&sql_settings(config, share)).await?
-        }
-    };
+    if shared.sql().backend() == "sqlite" {
+        return Ok(shared.clone());
+    }
+    let share = (config.pool_size as usize).div_ceil(workers.max(1)).max(2) as u32;
+    let sql = sql::SqlStore::connect(&sql_settings(config, share)).await?;
     let fast = fast_layer(config, memory)?;
     Ok(Store::new(sql, Some(fast), settings_of(config), metrics))
 }

@@ -115,20 +115,6 @@ impl FastLayer for RedisLayer {
         FallbackLayer::Redis
     }
 
-    fn get<'a>(
-        &'a self,
-        key: &'a RecordKey,
-    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
-        Box::pin(async move {
-            let name = storage_key(&self.prefix, key);
-            let value: Option<Vec<u8>> =
-                with_conn!(self.conn().await?, c => c.get(&name).await.map_err(backend)?);
-            value
-                .map(|bytes| decode_entry(&bytes).map_err(FastError::Corrupt))
-                .transpose()
-        })
-    }
-
     fn get_or_mark<'a>(
         &'a self,
         entry: &'a FastEntry,

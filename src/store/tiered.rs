@@ -272,16 +272,6 @@ impl Store {
         self.sql.renew(key, epoch, until).await
     }
 
-    /// The record a waiting duplicate polls, if it still has `fingerprint`.
-    pub async fn completed(
-        &self,
-        key: &RecordKey,
-        fingerprint: &str,
-    ) -> Result<Option<Record>, StoreError> {
-        let record = self.sql.get(key).await?;
-        Ok(record.filter(|r| r.fingerprint == fingerprint))
-    }
-
     /// Reads one record from SQL.
     pub async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         self.sql.get(key).await
