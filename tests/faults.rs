@@ -433,3 +433,100 @@ async fn a_paused_instance_past_its_lease_is_fenced_when_it_wakes() {
     }
     upstream.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_killed_between_claim_and_forward_then_restarted_executes_once() {
+    use support::services::{FaultProxy, Mode};
+    let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
+    // The gateway reaches the upstream through a proxy that, for now,
+    // swallows every connection: the claim is made, the request never
+    // arrives.
+    let proxy = FaultProxy::start(upstream.addr).await;
+    proxy.set(Mode::Blackhole);
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", support::dead_port());
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            [server]
+            listen = "{listen}"
+            admin_listen = "127.0.0.1:0"
+            [store]
+            database_url = "sqlite://{}/records.db"
+            lease = "1s"
+            [[upstreams]]
+            name = "demo"
+            url = "http://127.0.0.1:{}"
+            timeout = "10s"
+            {KEY_ROUTES}
+            "#,
+            dir.path().display(),
+            proxy.port
+        ),
+    )
+    .unwrap();
+    let http = Http::default();
+    let mut gateway = spawn_gateway(&config);
+    wait_up(&http, &format!("http://{listen}/")).await;
+    let url = format!("http://{listen}/actions/charge");
+    let first = {
+        let (http, url) = (http.clone(), url.clone());
+        tokio::spawn(async move {
+            http.try_send(
+                "POST",
+                &url,
+                &[("idempotency-key", "charge-1")],
+                "{\"amount\":5}",
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    gateway.kill().unwrap();
+    gateway.wait().unwrap();
+    assert!(first.await.unwrap().is_err());
+    assert_eq!(
+        upstream.state.stats().requests,
+        0,
+        "nothing reached the upstream"
+    );
+
+    proxy.set(Mode::Pass);
+    let mut gateway = spawn_gateway(&config);
+    wait_up(&http, &format!("http://{listen}/")).await;
+    let mut executed = None;
+    for _ in 0..40 {
+        let a = http
+            .send(
+                "POST",
+                &url,
+                &[("idempotency-key", "charge-1")],
+                "{\"amount\":5}",
+            )
+            .await;
+        if a.status == 201 {
+            executed = Some(a);
+            break;
+        }
+        assert_eq!(a.status, 409, "{:?}", a.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let answer = executed.expect("the retry never went through");
+    let forwarded_key = answer.json()["key"].as_str().unwrap().to_owned();
+    // And from now on it replays.
+    let again = http
+        .send(
+            "POST",
+            &url,
+            &[("idempotency-key", "charge-1")],
+            "{\"amount\":5}",
+        )
+        .await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.state.executions("charge", &forwarded_key), 1);
+    gateway.kill().unwrap();
+    gateway.wait().unwrap();
+    upstream.shutdown().await;
+}
