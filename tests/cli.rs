@@ -115,13 +115,7 @@ async fn sigterm_finishes_the_in_flight_request_then_exits() {
         .unwrap();
     let http = support::Http::default();
     let url = format!("http://{listen}/actions/slow");
-    let up = support::eventually(Duration::from_secs(10), || {
-        let http = http.clone();
-        let url = format!("http://{listen}/echo");
-        async move { http.try_send("GET", &url, &[], "").await.is_ok() }
-    })
-    .await;
-    assert!(up, "the gateway did not start");
+    support::wait_up(&http, &format!("http://{listen}/echo")).await;
     let slow = tokio::spawn({
         let http = http.clone();
         async move {

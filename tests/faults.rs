@@ -4,11 +4,11 @@
 mod support;
 
 use std::io::Write as _;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use support::services::{self, PrivateRedis};
-use support::{Http, Stack};
+use support::{Http, Stack, retry_through_conflicts, spawn_gateway, wait_up};
 
 const KEY_ROUTES: &str = r#"
     [[routes]]
@@ -196,27 +196,6 @@ async fn redis_killed_mid_storm_through_the_gateway_still_executes_once() {
     stack.shutdown().await;
 }
 
-/// The `idemgate` binary on a fixed port over a SQLite file.
-fn spawn_gateway(config: &std::path::Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .args(["serve", "--config"])
-        .arg(config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
-}
-
-async fn wait_up(http: &Http, url: &str) {
-    let up = support::eventually(Duration::from_secs(10), || {
-        let http = http.clone();
-        let url = url.to_owned();
-        async move { http.try_send("GET", &url, &[], "").await.is_ok() }
-    })
-    .await;
-    assert!(up, "gateway did not come up at {url}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_killed_mid_request_then_restarted_executes_at_most_once() {
     let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
@@ -282,19 +261,7 @@ async fn gateway_killed_mid_request_then_restarted_executes_at_most_once() {
     // Until the dead holder's lease runs out, retries are told to wait…
     // …then one retry takes over (epoch 2) and is forwarded with the same
     // key; the upstream's state check answers it without a second deduction.
-    let mut answer = None;
-    for _ in 0..40 {
-        let a = http
-            .send("POST", &url, &[("idempotency-key", "order-1")], order)
-            .await;
-        if a.status == 201 {
-            answer = Some(a);
-            break;
-        }
-        assert_eq!(a.status, 409, "{:?}", a.body);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let answer = answer.expect("the retry never went through");
+    let answer = retry_through_conflicts(&http, &url, "order-1", order).await;
     assert_eq!(answer.json()["repeat"], true);
     assert_eq!(upstream.state.executions("deduct_coupon", "ONCE"), 1);
     assert_eq!(
@@ -496,24 +463,7 @@ async fn gateway_killed_between_claim_and_forward_then_restarted_executes_once()
     proxy.set(Mode::Pass);
     let mut gateway = spawn_gateway(&config);
     wait_up(&http, &format!("http://{listen}/")).await;
-    let mut executed = None;
-    for _ in 0..40 {
-        let a = http
-            .send(
-                "POST",
-                &url,
-                &[("idempotency-key", "charge-1")],
-                "{\"amount\":5}",
-            )
-            .await;
-        if a.status == 201 {
-            executed = Some(a);
-            break;
-        }
-        assert_eq!(a.status, 409, "{:?}", a.body);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let answer = executed.expect("the retry never went through");
+    let answer = retry_through_conflicts(&http, &url, "charge-1", "{\"amount\":5}").await;
     let forwarded_key = answer.json()["key"].as_str().unwrap().to_owned();
     // And from now on it replays.
     let again = http

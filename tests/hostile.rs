@@ -294,13 +294,7 @@ async fn keys_are_logged_escaped_never_raw() {
         .unwrap();
     let http = support::Http::default();
     let url = format!("http://{listen}/mq/push");
-    let up = support::eventually(Duration::from_secs(10), || {
-        let http = http.clone();
-        let url = url.clone();
-        async move { http.try_send("GET", &url, &[], "").await.is_ok() }
-    })
-    .await;
-    assert!(up);
+    support::wait_up(&http, &url).await;
     // A key that would forge a log line and recolour a terminal.
     let evil = r#"{"id":"T1\nFAKE LOG LINE level=ERROR\u001b[31m","n":1}"#;
     assert_eq!(http.send("POST", &url, &[], evil).await.status, 200);

@@ -237,3 +237,41 @@ pub fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
 }
+
+/// The `idemgate` binary serving `config`, output discarded.
+pub fn spawn_gateway(config: &std::path::Path) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["serve", "--config"])
+        .arg(config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until something answers HTTP at `url` (any status).
+pub async fn wait_up(http: &Http, url: &str) {
+    let up = eventually(Duration::from_secs(10), || {
+        let http = http.clone();
+        let url = url.to_owned();
+        async move { http.try_send("GET", &url, &[], "").await.is_ok() }
+    })
+    .await;
+    assert!(up, "nothing came up at {url}");
+}
+
+/// A client's retry loop: POSTs until the answer is 201, accepting only 409
+/// (a claim still held) on the way; gives up after about four seconds.
+pub async fn retry_through_conflicts(http: &Http, url: &str, key: &str, body: &str) -> Answer {
+    for _ in 0..40 {
+        let a = http
+            .send("POST", url, &[("idempotency-key", key)], body.to_owned())
+            .await;
+        if a.status == 201 {
+            return a;
+        }
+        assert_eq!(a.status, 409, "{:?}", a.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the retry of {key} never went through");
+}
