@@ -10,7 +10,7 @@
 //! Durations are therefore read as strings ([`HumanDuration`]) and only
 //! judged in the second phase.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -764,15 +764,6 @@ impl Config {
     /// The upstream a route names (validation guarantees it exists).
     pub fn upstream(&self, name: &str) -> Option<&UpstreamConfig> {
         self.upstreams.iter().find(|u| u.name == name)
-    }
-
-    /// Upstream names by index, for building clients once per upstream.
-    pub fn upstream_index(&self) -> HashMap<&str, usize> {
-        self.upstreams
-            .iter()
-            .enumerate()
-            .map(|(i, u)| (u.name.as_str(), i))
-            .collect()
     }
 }
 

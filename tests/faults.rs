@@ -3,7 +3,6 @@
 
 mod support;
 
-use std::io::Write as _;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -196,32 +195,52 @@ async fn redis_killed_mid_storm_through_the_gateway_still_executes_once() {
     stack.shutdown().await;
 }
 
+/// A config file for the `idemgate` binary in `dir`: key routes to the
+/// upstream at `upstream`, a 1 s lease, and one SQLite file per directory
+/// (so every config written in one directory shares the records).
+fn binary_config(
+    dir: &std::path::Path,
+    name: &str,
+    listen: &str,
+    admin: &str,
+    upstream: &str,
+) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+            [server]
+            listen = "{listen}"
+            admin_listen = "{admin}"
+            [store]
+            database_url = "sqlite://{}/records.db"
+            lease = "1s"
+            [[upstreams]]
+            name = "demo"
+            url = "http://{upstream}"
+            timeout = "10s"
+            {KEY_ROUTES}
+            "#,
+            dir.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_killed_mid_request_then_restarted_executes_at_most_once() {
     let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let listen = format!("127.0.0.1:{}", support::dead_port());
-    let config = dir.path().join("idemgate.toml");
-    let mut file = std::fs::File::create(&config).unwrap();
-    write!(
-        file,
-        r#"
-        [server]
-        listen = "{listen}"
-        admin_listen = "127.0.0.1:0"
-        [store]
-        database_url = "sqlite://{}/records.db"
-        lease = "1s"
-        [[upstreams]]
-        name = "demo"
-        url = "http://{}"
-        timeout = "5s"
-        {KEY_ROUTES}
-        "#,
-        dir.path().display(),
-        upstream.addr
-    )
-    .unwrap();
+    let config = binary_config(
+        dir.path(),
+        "idemgate.toml",
+        &listen,
+        "127.0.0.1:0",
+        &upstream.addr.to_string(),
+    );
     let http = Http::default();
     let mut gateway = spawn_gateway(&config);
     wait_up(&http, &format!("http://{listen}/")).await;
@@ -280,32 +299,22 @@ async fn a_paused_instance_past_its_lease_is_fenced_when_it_wakes() {
     let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let ports: Vec<u16> = (0..3).map(|_| support::dead_port()).collect();
-    let write_config = |name: &str, listen: u16, admin: u16| {
-        let path = dir.path().join(name);
-        let mut file = std::fs::File::create(&path).unwrap();
-        write!(
-            file,
-            r#"
-            [server]
-            listen = "127.0.0.1:{listen}"
-            admin_listen = "127.0.0.1:{admin}"
-            [store]
-            database_url = "sqlite://{}/shared.db"
-            lease = "1s"
-            [[upstreams]]
-            name = "demo"
-            url = "http://{}"
-            timeout = "10s"
-            {KEY_ROUTES}
-            "#,
-            dir.path().display(),
-            upstream.addr
-        )
-        .unwrap();
-        path
-    };
-    let a_config = write_config("a.toml", ports[0], support::dead_port());
-    let b_config = write_config("b.toml", ports[1], ports[2]);
+    let upstream_addr = upstream.addr.to_string();
+    let at = |port: u16| format!("127.0.0.1:{port}");
+    let a_config = binary_config(
+        dir.path(),
+        "a.toml",
+        &at(ports[0]),
+        "127.0.0.1:0",
+        &upstream_addr,
+    );
+    let b_config = binary_config(
+        dir.path(),
+        "b.toml",
+        &at(ports[1]),
+        &at(ports[2]),
+        &upstream_addr,
+    );
     let http = Http::default();
     // One after the other: two processes migrating a fresh SQLite file at
     // the same instant collide (several instances belong on Postgres; this
@@ -412,28 +421,13 @@ async fn gateway_killed_between_claim_and_forward_then_restarted_executes_once()
     proxy.set(Mode::Blackhole);
     let dir = tempfile::tempdir().unwrap();
     let listen = format!("127.0.0.1:{}", support::dead_port());
-    let config = dir.path().join("idemgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-            [server]
-            listen = "{listen}"
-            admin_listen = "127.0.0.1:0"
-            [store]
-            database_url = "sqlite://{}/records.db"
-            lease = "1s"
-            [[upstreams]]
-            name = "demo"
-            url = "http://127.0.0.1:{}"
-            timeout = "10s"
-            {KEY_ROUTES}
-            "#,
-            dir.path().display(),
-            proxy.port
-        ),
-    )
-    .unwrap();
+    let config = binary_config(
+        dir.path(),
+        "idemgate.toml",
+        &listen,
+        "127.0.0.1:0",
+        &format!("127.0.0.1:{}", proxy.port),
+    );
     let http = Http::default();
     let mut gateway = spawn_gateway(&config);
     wait_up(&http, &format!("http://{listen}/")).await;
