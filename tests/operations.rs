@@ -201,3 +201,32 @@ async fn migrate_keys_and_sweep_commands_work_on_the_embedded_store() {
     assert_eq!(code, Some(0));
     assert!(out.contains("purged 0"), "{out}");
 }
+
+#[tokio::test]
+async fn the_sweeper_runs_every_sweep_interval() {
+    let stack = Stack::start_with(PASS_THROUGH, |c| {
+        c.store.retention = "200ms".into();
+        c.store.sweep_interval = "300ms".into();
+    })
+    .await;
+    let store = &stack.gateway.store;
+    let key = RecordKey::new("s", "orders", "old");
+    let Claim::Won { epoch } = store.claim(&key, "fp", "rid").await.unwrap() else {
+        panic!()
+    };
+    assert!(
+        store
+            .complete(&key, epoch, "fp", &response())
+            .await
+            .unwrap()
+    );
+    let store = store.clone();
+    let swept = support::eventually(Duration::from_secs(5), || {
+        let store = store.clone();
+        let key = key.clone();
+        async move { store.get(&key).await.unwrap().is_none() }
+    })
+    .await;
+    assert!(swept, "the expired record was never swept");
+    stack.shutdown().await;
+}
