@@ -8,9 +8,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::task::JoinHandle;
-use tower::ServiceBuilder;
-use tower::util::BoxCloneSyncService;
-use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 
 use std::collections::BTreeSet;
 
@@ -21,9 +18,8 @@ use crate::callback::{CallbackPolicy, KeySource, Verifier};
 use crate::config::{Config, Idempotency, PathMatch, RouteKind, RouteMatcher};
 use crate::idempotency::{Engine, EngineSettings, IdempotencyLayer, KeyPolicy};
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, Upstream, build_client};
-use crate::request_id::{MakeRequestUuidV7, X_REQUEST_ID};
-use crate::router::{Route, RouteService, Router};
+use crate::proxy::{Pool, Proxy, Upstream};
+use crate::router::{Route, RouteService, Router, TowerHandler};
 use crate::server::{self, ConnLimits, PeerService, ShutdownTrigger};
 use crate::store::Store;
 use crate::token::{TokenEndpoint, TokenKeys, TokenPolicy};
@@ -290,14 +286,8 @@ fn spawn_worker(
                         return;
                     }
                 };
-                let app: RouteService = BoxCloneSyncService::new(
-                    ServiceBuilder::new()
-                        .layer(SetRequestIdLayer::new(X_REQUEST_ID, MakeRequestUuidV7))
-                        .layer(PropagateRequestIdLayer::new(X_REQUEST_ID))
-                        .service(router),
-                );
                 let _ = ready.send(Ok(bound));
-                server::serve(listener, PeerService::factory(app), limits, signal).await;
+                server::serve(listener, PeerService::factory(router), limits, signal).await;
             });
         })
         .expect("spawning a worker thread")
@@ -320,7 +310,6 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
         token_keys,
         ..
     } = shared;
-    let client = build_client();
     let identity_header: HeaderName =
         config
             .identity
@@ -342,7 +331,10 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
             route: format!("upstream {}", u.name),
             reason,
         })?;
-        upstreams.insert(u.name.clone(), Arc::new(upstream));
+        // One pool per upstream per call: each worker builds its own router,
+        // so connections never leave the thread that drives them.
+        let pool = Pool::new(upstream.authority.to_string());
+        upstreams.insert(u.name.clone(), (Arc::new(upstream), pool));
     }
     let mut routes = Vec::with_capacity(config.routes.len());
     for r in &config.routes {
@@ -350,12 +342,12 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
             route: r.name.clone(),
             reason,
         };
-        let upstream = upstreams
+        let (upstream, pool) = upstreams
             .get(&r.upstream)
             .cloned()
             .ok_or_else(|| fail(format!("unknown upstream {:?}", r.upstream)))?;
         let proxy = Proxy::new(
-            client.clone(),
+            pool,
             upstream,
             config.server.max_body_bytes,
             metrics.upstream(&r.upstream),
@@ -377,8 +369,8 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
             metrics.clone(),
         );
         let service: RouteService = match (r.kind, r.idempotency()) {
-            (RouteKind::Sync, Idempotency::None) => BoxCloneSyncService::new(proxy),
-            (RouteKind::Sync, Idempotency::Key) => BoxCloneSyncService::new(
+            (RouteKind::Sync, Idempotency::None) => Arc::new(proxy),
+            (RouteKind::Sync, Idempotency::Key) => Arc::new(TowerHandler(
                 IdempotencyLayer::new(
                     engine,
                     KeyPolicy {
@@ -386,11 +378,11 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
                     },
                 )
                 .layer(proxy),
-            ),
-            (RouteKind::Sync, Idempotency::Token) => BoxCloneSyncService::new(
+            )),
+            (RouteKind::Sync, Idempotency::Token) => Arc::new(TowerHandler(
                 IdempotencyLayer::new(engine, TokenPolicy::new(token_keys.clone(), &r.name))
                     .layer(proxy),
-            ),
+            )),
             (RouteKind::Callback, _) => {
                 let sources = r
                     .business_key
@@ -404,10 +396,10 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
                     .map(|sig| Verifier::from_config(sig, |name| std::env::var(name).ok()))
                     .transpose()
                     .map_err(fail)?;
-                BoxCloneSyncService::new(
+                Arc::new(TowerHandler(
                     IdempotencyLayer::new(engine, CallbackPolicy::new(sources, verifier))
                         .layer(proxy),
-                )
+                ))
             }
         };
         routes.push(Route {
@@ -423,12 +415,12 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
             methods: vec![http::Method::GET, http::Method::POST],
             path: PathMatch::Exact("/token".into()),
         },
-        service: BoxCloneSyncService::new(TokenEndpoint::new(
+        service: Arc::new(TowerHandler(TokenEndpoint::new(
             token_keys.clone(),
             config.tokens.ttl.get(),
             identity_header,
             token_routes.clone(),
-        )),
+        ))),
         counters: metrics.route("token"),
     };
     Ok((Router::new(routes, Some(token)), token_routes))

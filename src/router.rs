@@ -1,10 +1,19 @@
 //! The route table: which stack a request goes through.
 //!
 //! Each `[[routes]]` entry becomes its own tower stack — a policy layer (none,
-//! key, token or callback) over a [`Proxy`] to the route's upstream — boxed
-//! as a [`RouteService`]. The router matches path then method, answers 404,
-//! 405 and bad paths itself, and is the one place that counts every request
-//! (`idemgate_requests_total`) and logs every problem with its route.
+//! key, token or callback) over a [`Proxy`] to the route's upstream — behind
+//! one object-safe [`Handler`]. The router matches path then method, answers
+//! 404, 405 and bad paths itself, and is the one place that counts every
+//! request (`idemgate_requests_total`), logs every problem with its route,
+//! and gives every request and answer its `X-Request-Id`.
+//!
+//! A [`Handler`] is called through `&self`, so the router drives a shared
+//! stack without cloning it: a pass-through route is the [`Proxy`] itself,
+//! and a policy stack is a [`TowerHandler`], which clones the tower service
+//! for each call as tower's readiness contract requires. The router's own
+//! future is a plain struct around the handler's one boxed future.
+//!
+//! [`Proxy`]: crate::proxy::Proxy
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -13,20 +22,51 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
-use http::{Request, Response};
-use tower::util::BoxCloneSyncService;
+use http::{HeaderValue, Request, Response};
 use tower::{Service, ServiceExt};
 
 use crate::config::RouteMatcher;
 use crate::error::{Problem, ProblemLog, ProblemReason};
 use crate::metrics::{Outcome, RouteCounters};
+use crate::request_id::{self, X_REQUEST_ID};
+
+/// The future a [`Handler`] answers with.
+pub type HandlerFuture = Pin<Box<dyn Future<Output = Response<Body>> + Send>>;
+
+/// A route's whole stack, called through a shared reference.
+pub trait Handler: Send + Sync + 'static {
+    /// Answers one request (problems are answers too).
+    fn call(&self, req: Request<Body>) -> HandlerFuture;
+}
 
 /// A route's whole stack, type-erased.
-pub type RouteService = BoxCloneSyncService<Request<Body>, Response<Body>, Infallible>;
+pub type RouteService = Arc<dyn Handler>;
 
-/// The name of the route a request matched (a request extension).
-#[derive(Debug, Clone)]
-pub struct RouteName(pub Arc<str>);
+/// A cloneable tower service as a [`Handler`]: each call drives a fresh
+/// clone with `oneshot`, which polls it ready first (tower's "call the
+/// service you polled ready").
+#[derive(Clone)]
+pub struct TowerHandler<S>(pub S);
+
+impl<S> Handler for TowerHandler<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send,
+{
+    fn call(&self, req: Request<Body>) -> HandlerFuture {
+        let service = self.0.clone();
+        Box::pin(async move {
+            match service.oneshot(req).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            }
+        })
+    }
+}
 
 /// Why the router answered a request itself.
 #[derive(Debug, thiserror::Error)]
@@ -158,16 +198,11 @@ fn outcome_of(response: &Response<Body>) -> Outcome {
     }
 }
 
-impl Service<Request<Body>> for Router {
-    type Response = Response<Body>;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+impl Router {
+    /// Routes one request. Every answer, the router's own included, carries
+    /// the request's `X-Request-Id` (kept from the client, or a new one).
+    pub fn handle(&self, mut req: Request<Body>) -> RouterFuture {
+        let request_id = request_id::ensure(req.headers_mut());
         let route = match self.find(&req) {
             Ok(route) => route,
             Err(e) => {
@@ -180,30 +215,88 @@ impl Service<Request<Body>> for Router {
                         http::HeaderValue::from_static("close"),
                     );
                 }
-                return Box::pin(std::future::ready(Ok(response)));
+                response.headers_mut().insert(X_REQUEST_ID, request_id);
+                return RouterFuture {
+                    state: State::Answered(Some(response)),
+                };
             }
         };
-        let name = route.name.clone();
-        let counters = route.counters.clone();
-        req.extensions_mut().insert(RouteName(name.clone()));
-        // Clone the boxed stack for this call: the shared one cannot be
-        // driven through `&self`, and `oneshot` polls the clone ready before
-        // calling it (tower's "call the service you polled ready").
-        let service = route.service.clone();
-        Box::pin(async move {
-            let response = service.oneshot(req).await?;
-            let outcome = outcome_of(&response);
-            counters.record(outcome);
-            if let Some(log) = response.extensions().get::<ProblemLog>() {
-                let status = response.status().as_u16();
-                if response.status().is_server_error() {
-                    tracing::warn!(route = %name, layer = log.layer, status, cause = %log.cause, "request failed");
-                } else {
-                    tracing::info!(route = %name, layer = log.layer, status, cause = %log.cause, "request refused");
+        RouterFuture {
+            state: State::Routed {
+                answer: route.service.call(req),
+                name: route.name.clone(),
+                counters: route.counters.clone(),
+                request_id: Some(request_id),
+            },
+        }
+    }
+}
+
+/// The answer of [`Router::handle`].
+pub struct RouterFuture {
+    state: State,
+}
+
+enum State {
+    /// The router answered itself (404, 405, bad path).
+    Answered(Option<Response<Body>>),
+    /// A route's stack is answering.
+    Routed {
+        answer: HandlerFuture,
+        name: Arc<str>,
+        counters: Arc<RouteCounters>,
+        request_id: Option<HeaderValue>,
+    },
+}
+
+impl Future for RouterFuture {
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // Every field is `Unpin` (the handler's future is boxed).
+        let this = self.get_mut();
+        let response = match &mut this.state {
+            State::Answered(response) => response.take(),
+            State::Routed {
+                answer,
+                name,
+                counters,
+                request_id,
+            } => {
+                let mut response = std::task::ready!(answer.as_mut().poll(cx));
+                counters.record(outcome_of(&response));
+                if let Some(log) = response.extensions().get::<ProblemLog>() {
+                    let status = response.status().as_u16();
+                    if response.status().is_server_error() {
+                        tracing::warn!(route = %name, layer = log.layer, status, cause = %log.cause, "request failed");
+                    } else {
+                        tracing::info!(route = %name, layer = log.layer, status, cause = %log.cause, "request refused");
+                    }
                 }
+                // A replay carries the id of the request that executed.
+                if let Some(id) = request_id.take()
+                    && !response.headers().contains_key(X_REQUEST_ID)
+                {
+                    response.headers_mut().insert(X_REQUEST_ID, id);
+                }
+                Some(response)
             }
-            Ok(response)
-        })
+        };
+        Poll::Ready(Ok(response.expect("RouterFuture polled after completion")))
+    }
+}
+
+impl Service<Request<Body>> for Router {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = RouterFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> RouterFuture {
+        self.handle(req)
     }
 }
 

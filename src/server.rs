@@ -131,7 +131,7 @@ pub async fn serve<F, S, E>(
 #[derive(Clone)]
 pub struct PeerService<T> {
     service: T,
-    peer: SocketAddr,
+    peer: crate::proxy::ClientAddr,
 }
 
 impl<T> PeerService<T> {
@@ -142,7 +142,7 @@ impl<T> PeerService<T> {
     {
         move |peer| PeerService {
             service: service.clone(),
-            peer,
+            peer: crate::proxy::ClientAddr::new(peer),
         }
     }
 }
@@ -162,8 +162,7 @@ where
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         use tower::ServiceExt;
         let mut req = req.map(Body::new);
-        req.extensions_mut()
-            .insert(crate::proxy::ClientAddr(self.peer));
+        req.extensions_mut().insert(self.peer.clone());
         self.service.clone().oneshot(req)
     }
 }

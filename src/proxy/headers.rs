@@ -1,8 +1,26 @@
 //! Hop-by-hop stripping and the `X-Forwarded-*` headers.
 
-use std::net::IpAddr;
+use std::net::SocketAddr;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// The peer a request came from (a request extension set by the server),
+/// with its address already formatted for `X-Forwarded-For`: formatted once
+/// per connection rather than once per request.
+#[derive(Debug, Clone)]
+pub struct ClientAddr {
+    pub addr: SocketAddr,
+    ip_text: HeaderValue,
+}
+
+impl ClientAddr {
+    /// The peer at `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        let ip_text = HeaderValue::from_str(&addr.ip().to_string())
+            .expect("an IP address is a valid header value");
+        ClientAddr { addr, ip_text }
+    }
+}
 
 /// Headers that describe one connection, never the message (RFC 9110 §7.6.1).
 pub const HOP_BY_HOP: [HeaderName; 8] = [
@@ -20,47 +38,110 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// Removes the hop-by-hop headers, and first every header that `Connection`
-/// names (those are hop-by-hop for this one message too).
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
+/// The header names `Connection` lists: hop-by-hop for this one message
+/// too. The options `close` and `keep-alive` are skipped (a `Keep-Alive`
+/// header is hop-by-hop anyway). Empty, without allocating, when there is
+/// no `Connection` header: the check is a pass over the names, cheaper than
+/// a hashed lookup.
+fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
+    if !headers.keys().any(|name| *name == header::CONNECTION) {
+        return Vec::new();
+    }
+    headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+        .map(str::trim)
+        .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
+        .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
+        .collect()
+}
+
+/// Removes the hop-by-hop headers, and every header that `Connection`
+/// names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none of them, and one pass over the names is much
+    // cheaper than a hashed removal per hop-by-hop name, on every answer.
+    // A header named only by `Connection` needs `Connection`, so this check
+    // covers those too. Only names actually present are removed.
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
     }
-    for name in HOP_BY_HOP {
+    let mut doomed = connection_named(headers);
+    doomed.extend(
+        headers
+            .keys()
+            .filter(|name| HOP_BY_HOP.contains(name))
+            .cloned(),
+    );
+    for name in doomed {
         headers.remove(name);
     }
 }
 
-/// Prepares request headers for the upstream: strips hop-by-hop headers,
-/// appends the client to `X-Forwarded-For`, and moves `Host` to
-/// `X-Forwarded-Host` (the client sets `Host` to the upstream's authority).
-pub(super) fn prepare_request(headers: &mut HeaderMap, client: Option<IpAddr>) {
-    strip_hop_by_hop(headers);
-    if let Some(ip) = client {
-        let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-            Some(prior) if !prior.trim().is_empty() => format!("{prior}, {ip}"),
-            _ => ip.to_string(),
-        };
-        if let Ok(v) = HeaderValue::from_str(&value) {
-            headers.insert(X_FORWARDED_FOR, v);
+/// Writes the request's header lines as the upstream gets them, straight
+/// from the client's header map (no copy of the map, no removals):
+/// hop-by-hop headers and those `Connection` names are left out; the client
+/// is appended to `X-Forwarded-For`; `Host` becomes `X-Forwarded-Host` (the
+/// wire codec writes `Host` as the upstream's authority);
+/// `X-Forwarded-Proto` is `http`. `Content-Length` is left out because the
+/// codec frames the body it actually sends, and `Expect` because the
+/// gateway already answered `100-continue` and sends the body without
+/// waiting.
+pub(super) fn write_request_headers(
+    out: &mut Vec<u8>,
+    headers: &HeaderMap,
+    client: Option<&ClientAddr>,
+) {
+    let named = connection_named(headers);
+    let mut prior_for: Vec<&[u8]> = Vec::new();
+    let mut host: Option<&HeaderValue> = None;
+    for (name, value) in headers {
+        // `HeaderValue` refuses CR, LF and NUL, so no value can end its line
+        // early and inject a header or a second request.
+        if *name == header::HOST {
+            host.get_or_insert(value);
+        } else if *name == X_FORWARDED_FOR {
+            prior_for.push(value.as_bytes());
+        } else if !(*name == header::CONTENT_LENGTH
+            || *name == header::EXPECT
+            || *name == X_FORWARDED_HOST
+            || *name == X_FORWARDED_PROTO
+            || HOP_BY_HOP.contains(name)
+            || named.contains(name))
+        {
+            line(out, name.as_str().as_bytes(), &[value.as_bytes()]);
         }
     }
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    match headers.remove(header::HOST) {
-        Some(host) => {
-            headers.insert(X_FORWARDED_HOST, host);
-        }
-        None => {
-            headers.remove(X_FORWARDED_HOST);
-        }
+    if let Some(client) = client {
+        prior_for.retain(|v| !v.trim_ascii().is_empty());
+        prior_for.push(client.ip_text.as_bytes());
+        line(out, X_FORWARDED_FOR.as_str().as_bytes(), &prior_for);
+    } else if !prior_for.is_empty() {
+        line(out, X_FORWARDED_FOR.as_str().as_bytes(), &prior_for);
     }
+    line(out, X_FORWARDED_PROTO.as_str().as_bytes(), &[b"http"]);
+    if let Some(host) = host {
+        line(
+            out,
+            X_FORWARDED_HOST.as_str().as_bytes(),
+            &[host.as_bytes()],
+        );
+    }
+}
+
+/// One header line; several values are joined with `, `.
+fn line(out: &mut Vec<u8>, name: &[u8], values: &[&[u8]]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    for (i, value) in values.iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
+        }
+        out.extend_from_slice(value);
+    }
+    out.extend_from_slice(b"\r\n");
 }
 
 #[cfg(test)]
@@ -76,20 +157,33 @@ mod tests {
         h.insert(header::TE, "trailers".parse().unwrap());
         h.insert(header::UPGRADE, "websocket".parse().unwrap());
         h.insert("x-end-to-end", "kept".parse().unwrap());
+        let mut written = Vec::new();
+        write_request_headers(&mut written, &h, None);
+        assert_eq!(
+            String::from_utf8(written).unwrap(),
+            "x-end-to-end: kept\r\nx-forwarded-proto: http\r\n"
+        );
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert_eq!(h["x-end-to-end"], "kept");
     }
 
     #[test]
-    fn forwarded_for_is_appended() {
+    fn forwarded_headers_are_set_and_framing_is_left_to_the_codec() {
         let mut h = HeaderMap::new();
         h.insert(X_FORWARDED_FOR, "10.0.0.1".parse().unwrap());
+        h.append(X_FORWARDED_FOR, "10.0.0.2".parse().unwrap());
+        h.insert(X_FORWARDED_HOST, "spoofed".parse().unwrap());
         h.insert(header::HOST, "shop.example".parse().unwrap());
-        prepare_request(&mut h, Some("127.0.0.1".parse().unwrap()));
-        assert_eq!(h[X_FORWARDED_FOR], "10.0.0.1, 127.0.0.1");
-        assert_eq!(h[X_FORWARDED_HOST], "shop.example");
-        assert_eq!(h[X_FORWARDED_PROTO], "http");
-        assert!(h.get(header::HOST).is_none());
+        h.insert(header::CONTENT_LENGTH, "3".parse().unwrap());
+        h.insert(header::EXPECT, "100-continue".parse().unwrap());
+        let client = ClientAddr::new("127.0.0.1:9".parse().unwrap());
+        let mut written = Vec::new();
+        write_request_headers(&mut written, &h, Some(&client));
+        assert_eq!(
+            String::from_utf8(written).unwrap(),
+            "x-forwarded-for: 10.0.0.1, 10.0.0.2, 127.0.0.1\r\n\
+             x-forwarded-proto: http\r\nx-forwarded-host: shop.example\r\n"
+        );
     }
 }

@@ -1,21 +1,27 @@
 //! The streaming reverse proxy: the innermost service of every route stack.
 //!
-//! [`Proxy`] forwards one request to one upstream over a shared, pooled
-//! hyper-util client (keep-alive to upstreams) and streams both bodies: the
-//! request body is never buffered here, only counted against
-//! `server.max_body_bytes`. Policy layers (key, token, callback) sit in front
+//! [`Proxy`] forwards one request to one upstream over this worker's pool
+//! of keep-alive connections ([`Pool`]), speaking HTTP/1.1 through a small
+//! strict codec (`wire`) inside the client connection's own task. Bodies
+//! stream both ways: a request body over 64 KiB or without a length is
+//! never buffered here, only counted against `server.max_body_bytes`
+//! (smaller ones are read whole first, as nginx does, so that the request
+//! leaves in one write). Policy layers (key, token, callback) sit in front
 //! of it and never reach into it; they read how a forward failed from the
 //! [`ForwardFailure`] extension on the error response.
 //!
-//! The proxy never retries a request by itself. The pooled client only
-//! re-sends a request that was never written to a socket (a pooled connection
-//! closed while the request waited for it), which cannot have reached the
-//! upstream.
+//! The proxy never retries a request that may have reached the upstream. It
+//! re-sends only a request whose write to a pooled connection failed while
+//! the whole request was still in hand: that connection had been closed by
+//! the upstream, and no complete request arrived there.
 
+mod body;
 mod client;
 mod headers;
+mod pool;
 mod service;
+mod wire;
 
-pub use client::{UpstreamClient, build_client};
-pub use headers::{HOP_BY_HOP, strip_hop_by_hop};
-pub use service::{ClientAddr, ForwardFailure, Proxy, ProxyError, Upstream};
+pub use headers::{ClientAddr, HOP_BY_HOP, strip_hop_by_hop};
+pub use pool::Pool;
+pub use service::{ForwardFailure, Proxy, ProxyError, Upstream};

@@ -1,28 +1,22 @@
 //! [`Proxy`]: the tower service that forwards one request upstream.
 
 use std::convert::Infallible;
-use std::error::Error as StdError;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Request, Response, Uri, header};
-use http_body_util::{LengthLimitError, Limited};
+use http::uri::Authority;
+use http::{Request, Response, header};
 use tower::Service;
 
-use super::client::UpstreamClient;
-use super::headers;
+use super::client::{self, SendError};
+use super::pool::Pool;
 use crate::error::Problem;
 use crate::metrics::Histogram;
-
-/// The peer address of the connection a request came on (set by the server).
-#[derive(Debug, Clone, Copy)]
-pub struct ClientAddr(pub SocketAddr);
+use crate::router::{Handler, HandlerFuture};
 
 /// Where a route forwards to.
 #[derive(Debug)]
@@ -90,23 +84,23 @@ impl ProxyError {
 /// Forwards requests to one upstream; the innermost service of a route.
 #[derive(Clone)]
 pub struct Proxy {
-    client: UpstreamClient,
+    pool: Arc<Pool>,
     upstream: Arc<Upstream>,
     max_body_bytes: u64,
     latency: Arc<Histogram>,
 }
 
 impl Proxy {
-    /// A proxy to `upstream` over the shared `client`, recording the time to
-    /// each response head in `latency`.
+    /// A proxy to `upstream` over `pool` (this worker's connections to it),
+    /// recording the time to each response head in `latency`.
     pub fn new(
-        client: UpstreamClient,
+        pool: Arc<Pool>,
         upstream: Arc<Upstream>,
         max_body_bytes: u64,
         latency: Arc<Histogram>,
     ) -> Self {
         Proxy {
-            client,
+            pool,
             upstream,
             max_body_bytes,
             latency,
@@ -124,76 +118,61 @@ impl Proxy {
             return Err(ProxyError::BodyTooLarge { limit });
         }
 
-        let (mut parts, body) = req.into_parts();
+        let (parts, body) = req.into_parts();
         // HTTP/1.1 (RFC 9112 §6.3): no Content-Length and no
-        // Transfer-Encoding means no body. Decided before the hop-by-hop
-        // headers (Transfer-Encoding among them) are stripped.
+        // Transfer-Encoding means no body.
         let has_body = declared != Some(0)
             && (declared.is_some() || parts.headers.contains_key(header::TRANSFER_ENCODING));
-        let client_ip = parts.extensions.get::<ClientAddr>().map(|a| a.0.ip());
-        headers::prepare_request(&mut parts.headers, client_ip);
-        let path = parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        parts.uri = Uri::builder()
-            .scheme(Scheme::HTTP)
-            .authority(self.upstream.authority.clone())
-            .path_and_query(path)
-            .build()
-            .map_err(|e| ProxyError::BadRequestBody(e.to_string()))?;
-        // Counting, not buffering: a body that grows past the limit while it
-        // streams aborts the upstream request, which then never completes.
-        // A request that declares an empty body (most GETs) skips the wrapper.
-        let body = if has_body {
-            Body::new(Limited::new(body, limit as usize))
-        } else {
-            Body::empty()
-        };
-        let request = Request::from_parts(parts, body);
+        let body = if has_body { body } else { Body::empty() };
 
         let started = Instant::now();
-        let answer =
-            tokio::time::timeout(self.upstream.timeout, self.client.request(request)).await;
+        let answer = tokio::time::timeout(
+            self.upstream.timeout,
+            client::send(&self.pool, &parts, body, limit),
+        )
+        .await;
         self.latency.observe(started.elapsed());
         let response = match answer {
             Err(_) => return Err(ProxyError::Timeout(self.upstream.name.clone())),
             Ok(Err(e)) => return Err(self.classify(e, limit)),
             Ok(Ok(response)) => response,
         };
-        let (mut parts, body) = response.into_parts();
-        headers::strip_hop_by_hop(&mut parts.headers);
-        Ok(Response::from_parts(parts, Body::new(body)))
+        // The wire codec never lets hop-by-hop headers into the answer.
+        Ok(response)
     }
 
-    fn classify(&self, e: hyper_util::client::legacy::Error, limit: u64) -> ProxyError {
-        if e.is_connect() {
-            return ProxyError::Connect(self.upstream.name.clone());
-        }
-        let mut source: Option<&(dyn StdError + 'static)> = Some(&e);
-        while let Some(err) = source {
-            if err.is::<LengthLimitError>() {
-                return ProxyError::BodyTooLarge { limit };
-            }
-            source = err.source();
-        }
-        ProxyError::Broken {
-            upstream: self.upstream.name.clone(),
-            cause: error_chain(&e),
+    fn classify(&self, e: SendError, limit: u64) -> ProxyError {
+        let upstream = self.upstream.name.clone();
+        match e {
+            SendError::Connect(_) => ProxyError::Connect(upstream),
+            SendError::BodyTooLarge => ProxyError::BodyTooLarge { limit },
+            SendError::RequestBody(cause) => ProxyError::BadRequestBody(cause),
+            SendError::Broken(cause) => ProxyError::Broken { upstream, cause },
         }
     }
 }
 
-fn error_chain(e: &(dyn StdError + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(err) = source {
-        text.push_str(": ");
-        text.push_str(&err.to_string());
-        source = err.source();
+impl Proxy {
+    /// Forwards and answers: a failed forward becomes its problem response,
+    /// tagged with how far the request got.
+    async fn answer(self, req: Request<Body>) -> Response<Body> {
+        match self.forward(req).await {
+            Ok(response) => response,
+            Err(e) => {
+                let failure = e.failure();
+                let mut response = Problem::from(&e).into_response();
+                response.extensions_mut().insert(failure);
+                response
+            }
+        }
     }
-    text
+}
+
+/// A pass-through route is the proxy alone, called without a tower clone.
+impl Handler for Proxy {
+    fn call(&self, req: Request<Body>) -> HandlerFuture {
+        Box::pin(self.clone().answer(req))
+    }
 }
 
 impl Service<Request<Body>> for Proxy {
@@ -202,22 +181,12 @@ impl Service<Request<Body>> for Proxy {
     type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        // The pooled client queues internally; it is always ready.
+        // Connections are opened on demand; it is always ready.
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let this = self.clone();
-        Box::pin(async move {
-            Ok(match this.forward(req).await {
-                Ok(response) => response,
-                Err(e) => {
-                    let failure = e.failure();
-                    let mut response = Problem::from(&e).into_response();
-                    response.extensions_mut().insert(failure);
-                    response
-                }
-            })
-        })
+        let answer = self.clone().answer(req);
+        Box::pin(async move { Ok(answer.await) })
     }
 }
