@@ -107,6 +107,10 @@ pub async fn serve<F, S, E>(
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_read_timeout)
             .keep_alive(true)
+            // Answers are mostly small: one flat buffer (head and body
+            // copied together) costs less than queueing buffers for
+            // `writev`, measured per request with callgrind.
+            .writev(false)
             .serve_connection(TokioIo::new(stream), make_service(peer));
         let connection = graceful.watch(connection);
         tokio::spawn(async move {

@@ -34,7 +34,7 @@ use crate::config::OnConcurrent;
 use crate::error::Problem;
 use crate::identity::scope_of;
 use crate::metrics::{Metrics, Outcome};
-use crate::proxy::{ForwardFailure, HOP_BY_HOP};
+use crate::proxy::{ForwardFailure, is_hop_by_hop};
 use crate::request_id::X_REQUEST_ID;
 use crate::store::{Claim, RecordKey, StoreError, StoredResponse};
 
@@ -406,7 +406,7 @@ fn storable_headers(headers: &http::HeaderMap) -> Vec<(String, Vec<u8>)> {
     headers
         .iter()
         .filter(|(name, _)| {
-            !HOP_BY_HOP.contains(name)
+            !is_hop_by_hop(name)
                 && *name != header::SET_COOKIE
                 && *name != header::CONTENT_LENGTH
                 && *name != X_REQUEST_ID

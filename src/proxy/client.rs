@@ -111,13 +111,13 @@ pub(super) async fn send(
         }
     };
     if let Some(body) = streaming {
-        match stream_body(&mut conn, body, framing, limit).await {
+        match Box::pin(stream_body(&mut conn, body, framing, limit)).await {
             Ok(()) => {}
             Err(StreamError::Client(e)) => return Err(e),
             // The upstream stopped reading: it may have answered early
             // (a 413, say); take that answer if there is one.
             Err(StreamError::Write(e)) => {
-                return match read_head(&mut conn, method).await {
+                return match Box::pin(read_head(&mut conn, method)).await {
                     Ok(mut head) => {
                         head.reusable = false;
                         Ok(into_response(head, conn, pool))
@@ -142,8 +142,17 @@ fn expects_body(method: &Method) -> bool {
 async fn open(pool: &Pool) -> Result<Conn, SendError> {
     match pool.checkout() {
         Some(conn) => Ok(conn),
-        None => pool.connect().await.map_err(SendError::Connect),
+        None => connect(pool).await,
     }
+}
+
+/// Opens a new connection. The connect future (name resolution, connect,
+/// timeout) is large and rarely needed, so it lives in its own allocation
+/// instead of inflating every request's future, which is moved several
+/// times per request. Large and chunked bodies are boxed for the same
+/// reason.
+async fn connect(pool: &Pool) -> Result<Conn, SendError> {
+    Box::pin(pool.connect()).await.map_err(SendError::Connect)
 }
 
 /// Writes a whole request, re-sending it once on a fresh connection when
@@ -155,7 +164,7 @@ async fn write_whole(pool: &Pool, request: &[u8]) -> Result<Conn, SendError> {
         Ok(()) => Ok(conn),
         Err(e) if conn.reused => {
             tracing::debug!(upstream = pool.authority(), error = %e, "pooled connection was closed; re-sending on a new one");
-            let mut fresh = pool.connect().await.map_err(SendError::Connect)?;
+            let mut fresh = connect(pool).await?;
             fresh
                 .stream
                 .write_all(request)

@@ -23,7 +23,7 @@ impl ClientAddr {
 }
 
 /// Headers that describe one connection, never the message (RFC 9110 §7.6.1).
-pub const HOP_BY_HOP: [HeaderName; 8] = [
+pub static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -33,6 +33,19 @@ pub const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
     header::PROXY_AUTHORIZATION,
 ];
+
+/// Whether `name` is one of [`HOP_BY_HOP`]. Spelled out rather than
+/// searched: it runs for every header of every request and answer, and
+/// comparing against standard names is a tag comparison.
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
+    *name == header::CONNECTION
+        || *name == header::TE
+        || *name == header::TRAILER
+        || *name == header::TRANSFER_ENCODING
+        || *name == header::UPGRADE
+        || *name == header::PROXY_AUTHORIZATION
+        || matches!(name.as_str(), "keep-alive" | "proxy-connection")
+}
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -65,16 +78,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // cheaper than a hashed removal per hop-by-hop name, on every answer.
     // A header named only by `Connection` needs `Connection`, so this check
     // covers those too. Only names actually present are removed.
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+    if !headers.keys().any(is_hop_by_hop) {
         return;
     }
     let mut doomed = connection_named(headers);
-    doomed.extend(
-        headers
-            .keys()
-            .filter(|name| HOP_BY_HOP.contains(name))
-            .cloned(),
-    );
+    doomed.extend(headers.keys().filter(|name| is_hop_by_hop(name)).cloned());
     for name in doomed {
         headers.remove(name);
     }
@@ -108,7 +116,7 @@ pub(super) fn write_request_headers(
             || *name == header::EXPECT
             || *name == X_FORWARDED_HOST
             || *name == X_FORWARDED_PROTO
-            || HOP_BY_HOP.contains(name)
+            || is_hop_by_hop(name)
             || named.contains(name))
         {
             line(out, name.as_str().as_bytes(), &[value.as_bytes()]);
@@ -147,6 +155,16 @@ fn line(out: &mut Vec<u8>, name: &[u8], values: &[&[u8]]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_hop_by_hop_check_matches_the_list() {
+        for name in &HOP_BY_HOP {
+            assert!(is_hop_by_hop(name), "{name}");
+        }
+        for name in ["x-end", "content-length", "host", "keep-alivex"] {
+            assert!(!is_hop_by_hop(&HeaderName::from_static(name)), "{name}");
+        }
+    }
 
     #[test]
     fn strips_standard_and_connection_named_headers() {

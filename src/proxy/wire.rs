@@ -16,7 +16,7 @@ use std::io::Write as _;
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 
-use super::headers::HOP_BY_HOP;
+use super::headers::is_hop_by_hop;
 use http::{Method, StatusCode, Version};
 
 /// The longest response head accepted (status line and headers).
@@ -169,7 +169,7 @@ pub(super) fn parse_response_head(
         for h in response.headers.iter() {
             let name = HeaderName::from_bytes(h.name.as_bytes())
                 .map_err(|_| WireError::Head(format!("header name {:?}", h.name)))?;
-            if HOP_BY_HOP.contains(&name) || facts.names_hop(&name) {
+            if is_hop_by_hop(&name) || facts.names_hop(&name) {
                 continue;
             }
             let start = h.value.as_ptr() as usize - buf.as_ptr() as usize;
