@@ -3,7 +3,7 @@
 # duplicate keys through Idemgate on a private Redis + Postgres, while the
 # private Redis is killed and restarted every minute. Reports executions vs
 # unique keys (the oracle: no key executed twice, no key answered 2xx lost),
-# error counts, and the gateway's memory at the start and the end.
+# error counts, and the gateway's memory at the start, every 30 s and the end.
 #
 #   loadtest/soak.sh [SECONDS=600] [RATE=300]       (127.0.0.1 only)
 set -euo pipefail
@@ -47,6 +47,8 @@ IDEMGATE_LOG=warn IDEMGATE_DATABASE_URL="$PG_URL?options[search_path]=$SCHEMA" \
 for _ in $(seq 1 100); do curl -s -o /dev/null http://127.0.0.1:18480/ && break; sleep 0.1; done
 rss() { awk '/^VmRSS/ {print $2}' "/proc/$GW/status"; }
 RSS_START=$(rss)
+# The gateway's resident set every 30 s: flat is the claim (issue #6).
+( while sleep 30; do rss; done ) > "$WORK/rss.txt" 2>/dev/null & pids+=($!)
 # Kill and restart the private Redis every minute while the load runs.
 ( while sleep 60; do redis-cli -p $REDIS_PORT shutdown nosave >/dev/null 2>&1 || true; sleep 2; start_redis; done ) & pids+=($!)
 echo "soak: ${SECS}s at ${RATE} req/s, 10% duplicate keys, Redis restarted every minute"
@@ -73,5 +75,7 @@ print(f"| statuses | {load['statuses']} |")
 print(f"| transport errors | {load['errors']} |")
 print(f"| p50 / p99 ms | {load['p50_ms']:.1f} / {load['p99_ms']:.1f} |")
 print(f"| gateway RSS start → end | {int(rss0)//1024} MiB → {int(rss1)//1024} MiB |")
+series = [int(x) // 1024 for x in open(f"{work}/rss.txt").read().split() if x.isdigit()]
+print(f"| gateway RSS every 30 s (MiB) | {' → '.join(map(str, series))} |")
 print("\n```\n" + open(f"{work}/metrics.txt").read() + "```")
 PY

@@ -9,7 +9,8 @@
 //! - [`gateway`]: assembly — one tower stack per route, listeners, shutdown.
 //! - [`server`]: the accept loop, connection hardening, graceful drain.
 //! - [`router`]: path and method matching; counts and logs every request.
-//! - [`proxy`]: the streaming hyper proxy, the innermost service of a route.
+//! - [`proxy`]: the streaming proxy (its own HTTP/1.1 upstream codec and
+//!   per-worker keep-alive pool), the innermost service of a route.
 //! - [`store`]: the SQL record (truth) behind a Redis or in-process fast
 //!   layer; claims, fencing, retention.
 //! - [`identity`]: the client scope every record is keyed by.

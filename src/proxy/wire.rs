@@ -161,6 +161,16 @@ pub(super) fn parse_response_head(
             continue;
         }
         let facts = HeadFacts::gather(response.headers)?;
+        let (framing, framing_safe) = facts.framing(status, method);
+        let reusable = framing_safe
+            && framing != BodyFraming::UntilClose
+            && status != StatusCode::SWITCHING_PROTOCOLS
+            && !facts.close
+            && (version == Version::HTTP_11 || facts.keep_alive);
+        // A Content-Length beside Transfer-Encoding does not describe the
+        // body we relay (and one on a body read until close is not
+        // trusted): the relayed answer gets its length from the body.
+        let drop_length = matches!(framing, BodyFraming::Chunked | BodyFraming::UntilClose);
         // Values are slices of the head's own bytes, not copies: the head
         // is split off the buffer once and every value shares it. The
         // hop-by-hop headers (and those `Connection` names) never enter the
@@ -169,18 +179,15 @@ pub(super) fn parse_response_head(
         for h in response.headers.iter() {
             let name = HeaderName::from_bytes(h.name.as_bytes())
                 .map_err(|_| WireError::Head(format!("header name {:?}", h.name)))?;
-            if is_hop_by_hop(&name) || facts.names_hop(&name) {
+            if is_hop_by_hop(&name)
+                || facts.names_hop(&name)
+                || (drop_length && name == http::header::CONTENT_LENGTH)
+            {
                 continue;
             }
             let start = h.value.as_ptr() as usize - buf.as_ptr() as usize;
             kept.push((name, start, start + h.value.len()));
         }
-        let (framing, framing_safe) = facts.framing(status, method);
-        let reusable = framing_safe
-            && framing != BodyFraming::UntilClose
-            && status != StatusCode::SWITCHING_PROTOCOLS
-            && !facts.close
-            && (version == Version::HTTP_11 || facts.keep_alive);
         let head = buf.split_to(len).freeze();
         let mut headers = HeaderMap::with_capacity(kept.len());
         for (name, start, end) in kept {
@@ -471,6 +478,10 @@ mod tests {
         .unwrap();
         assert_eq!(head.framing, BodyFraming::Chunked);
         assert!(!head.reusable);
+        assert!(
+            head.headers.get("content-length").is_none(),
+            "not the relayed length"
+        );
         let head = parse("HTTP/1.1 200 OK\r\n\r\n", Method::GET)
             .unwrap()
             .unwrap();
