@@ -16,6 +16,7 @@ CONC=${CONC:-50}
 WORK=$(mktemp -d /tmp/idemgate-loadtest.XXXX)
 PG_URL=${IDEMGATE_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 WORKERS=2   # the gateway's tokio worker threads = nginx worker_processes
+SCHEMA=     # set once the gateways' Postgres schema exists
 
 # --- tools ---------------------------------------------------------------
 command -v oha >/dev/null || cargo install oha --locked
@@ -29,7 +30,7 @@ cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   [ -f "$WORK/up/nginx.pid" ] && kill "$(cat "$WORK/up/nginx.pid")" 2>/dev/null || true
   [ -f "$WORK/px/nginx.pid" ] && kill "$(cat "$WORK/px/nginx.pid")" 2>/dev/null || true
-  psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
+  [ -n "$SCHEMA" ] && psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
 }
 trap cleanup EXIT
 
