@@ -91,9 +91,9 @@ pub struct ServerConfig {
     /// another holds the last slot).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
-    /// Threads serving the public listener, each with its own event loop,
-    /// listening socket (`SO_REUSEPORT`) and upstream connection pool; 0 =
-    /// one per CPU.
+    /// Threads serving the public listener, each with its own event loop
+    /// and upstream connection pool, all accepting from one shared socket;
+    /// 0 = one per CPU.
     #[serde(default)]
     pub worker_threads: usize,
     /// How long in-flight requests may take to finish after SIGTERM.

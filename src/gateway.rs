@@ -80,8 +80,8 @@ impl RunningGateway {
 /// Starts the gateway on the listeners `config` names.
 ///
 /// The public listener is served by `server.worker_threads` threads, each
-/// with a single-threaded event loop, its own `SO_REUSEPORT` socket on the
-/// same address (the kernel spreads connections over them) and its own
+/// with a single-threaded event loop, its own handle of one shared
+/// listening socket (whichever worker is free accepts next) and its own
 /// route stacks and upstream connection pool, so a pass-through request
 /// never crosses threads — the cross-thread wake-ups of a shared
 /// work-stealing pool were the largest cost in the pass-through profile.
@@ -147,15 +147,29 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
                 addr: config.server.listen.clone(),
                 source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
             })?;
-    // The first worker binds what the config says (perhaps port 0); the
-    // others join the port it got.
+    // One listening socket, shared by every worker: each registers its own
+    // handle of it with its own event loop, and whichever worker is free
+    // accepts next — as nginx's workers share theirs. (Per-worker
+    // `SO_REUSEPORT` sockets split connections by a hash, unevenly for a
+    // few dozen keep-alive clients, and let a second gateway silently share
+    // the port.)
+    let listener = server::bind_shared(requested).map_err(|source| StartError::Bind {
+        key: "server.listen",
+        addr: requested.to_string(),
+        source,
+    })?;
     let mut workers = Vec::with_capacity(threads);
     let mut public_addr = requested;
     for i in 0..threads {
         let (ready, bound) = tokio::sync::oneshot::channel();
+        let handle = listener.try_clone().map_err(|source| StartError::Bind {
+            key: "server.listen",
+            addr: requested.to_string(),
+            source,
+        })?;
         workers.push(spawn_worker(
             i,
-            public_addr,
+            handle,
             shared.clone(),
             limits,
             signal.clone(),
@@ -176,6 +190,9 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
             }
         }
     }
+    // Only the workers' handles keep the socket open from here on, so it
+    // closes when the last worker stops accepting.
+    drop(listener);
 
     let admin_app = crate::admin::router(crate::admin::AdminState {
         metrics: metrics.clone(),
@@ -224,13 +241,16 @@ struct Shared {
 /// One public-listener thread: its own event loop, socket and stacks.
 fn spawn_worker(
     index: usize,
-    addr: SocketAddr,
+    listener: std::net::TcpListener,
     shared: Arc<Shared>,
     limits: ConnLimits,
     signal: server::ShutdownSignal,
     ready: tokio::sync::oneshot::Sender<Result<SocketAddr, StartError>>,
 ) -> std::thread::JoinHandle<()> {
     let key = "server.listen";
+    let addr = listener
+        .local_addr()
+        .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
     std::thread::Builder::new()
         .name(format!("idemgate-worker-{index}"))
         .spawn(move || {
@@ -249,7 +269,7 @@ fn spawn_worker(
                 }
             };
             runtime.block_on(async move {
-                let listener = match server::bind_reuseport(addr) {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
                     Ok(listener) => listener,
                     Err(source) => {
                         let _ = ready.send(Err(StartError::Bind {

@@ -185,20 +185,21 @@ pub async fn bind(
         })
 }
 
-/// A listening socket with `SO_REUSEPORT`, so that every worker thread can
-/// own one on the same address and the kernel spreads connections over
-/// them. (On Linux only sockets of the same user can share a port.)
-pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<TcpListener> {
+/// The public listening socket, non-blocking, ready to be shared by the
+/// worker threads (each turns a `try_clone` of it into its own tokio
+/// listener). Binding it once means a port already in use is an error, as
+/// it should be, rather than a socket shared with another process.
+pub fn bind_shared(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
     } else {
         tokio::net::TcpSocket::new_v6()?
     };
     socket.set_reuseaddr(true)?;
-    #[cfg(unix)]
-    socket.set_reuseport(true)?;
     socket.bind(addr)?;
-    socket.listen(1024)
+    let listener = socket.listen(1024)?.into_std()?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -367,3 +367,20 @@ async fn metrics_count_requests_by_route_and_outcome() {
     assert!(text.contains("idemgate_store_fallback_total{layer=\"redis\"} 0"));
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_second_gateway_on_a_taken_port_refuses_to_start() {
+    let stack = Stack::start(PASS_THROUGH).await;
+    let mut config = support::config(stack.upstream.addr, PASS_THROUGH);
+    config.server.listen = stack.gateway.public_addr.to_string();
+    match idemgate::gateway::start(config).await {
+        Err(e @ idemgate::gateway::StartError::Bind { .. }) => {
+            assert!(e.to_string().contains("server.listen"), "{e}");
+        }
+        Err(other) => panic!("expected a bind error, got {other}"),
+        Ok(_) => panic!("two gateways shared one port"),
+    }
+    // The running one is unaffected.
+    assert_eq!(stack.http.get(&stack.url("/echo")).await.status, 200);
+    stack.shutdown().await;
+}
