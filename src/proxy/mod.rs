@@ -22,6 +22,6 @@ mod pool;
 mod service;
 mod wire;
 
-pub use headers::{ClientAddr, HOP_BY_HOP, is_hop_by_hop, strip_hop_by_hop};
+pub use headers::{ClientAddr, HOP_BY_HOP, is_hop_by_hop};
 pub use pool::Pool;
 pub use service::{ForwardFailure, Proxy, ProxyError, Upstream};

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use http::uri::Authority;
-use http::{Request, Response, header};
+use http::{Request, Response};
 use tower::Service;
 
 use super::client::{self, SendError};
@@ -109,21 +109,11 @@ impl Proxy {
 
     async fn forward(self, req: Request<Body>) -> Result<Response<Body>, ProxyError> {
         let limit = self.max_body_bytes;
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|len| len > limit) {
-            return Err(ProxyError::BodyTooLarge { limit });
-        }
-
+        // The client frames the body from its size hint: a declared length
+        // over the limit is refused before anything is read or sent, and a
+        // request with neither Content-Length nor Transfer-Encoding has an
+        // empty body (RFC 9112 §6.3).
         let (parts, body) = req.into_parts();
-        // HTTP/1.1 (RFC 9112 §6.3): no Content-Length and no
-        // Transfer-Encoding means no body.
-        let has_body = declared != Some(0)
-            && (declared.is_some() || parts.headers.contains_key(header::TRANSFER_ENCODING));
-        let body = if has_body { body } else { Body::empty() };
 
         let started = Instant::now();
         let answer = tokio::time::timeout(
