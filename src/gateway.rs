@@ -81,7 +81,8 @@ impl RunningGateway {
 ///
 /// The public listener is served by `server.worker_threads` threads, each
 /// with a single-threaded event loop, its own handle of one shared
-/// listening socket (whichever worker is free accepts next) and its own
+/// listening socket (whichever worker is free accepts next, and hands the
+/// connection on when it already serves more than its share) and its own
 /// route stacks and upstream connection pool, so a pass-through request
 /// never crosses threads — the cross-thread wake-ups of a shared
 /// work-stealing pool were the largest cost in the pass-through profile.
@@ -158,9 +159,11 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         addr: requested.to_string(),
         source,
     })?;
+    let (balance, seats) = server::balance::Balance::new(threads);
+    metrics.set_worker_balance(balance);
     let mut workers = Vec::with_capacity(threads);
     let mut public_addr = requested;
-    for i in 0..threads {
+    for (i, seat) in seats.into_iter().enumerate() {
         let (ready, bound) = tokio::sync::oneshot::channel();
         let handle = listener.try_clone().map_err(|source| StartError::Bind {
             key: "server.listen",
@@ -170,6 +173,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         workers.push(spawn_worker(
             i,
             handle,
+            seat,
             shared.clone(),
             limits,
             signal.clone(),
@@ -242,6 +246,7 @@ struct Shared {
 fn spawn_worker(
     index: usize,
     listener: std::net::TcpListener,
+    seat: server::balance::Seat,
     shared: Arc<Shared>,
     limits: ConnLimits,
     signal: server::ShutdownSignal,
@@ -307,7 +312,14 @@ fn spawn_worker(
                     }
                 };
                 let _ = ready.send(Ok(bound));
-                server::serve(listener, PeerService::factory(router), limits, signal).await;
+                server::serve(
+                    listener,
+                    PeerService::factory(router),
+                    limits,
+                    Some(seat),
+                    signal,
+                )
+                .await;
             });
         })
         .expect("spawning a worker thread")

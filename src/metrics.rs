@@ -128,6 +128,8 @@ pub struct Metrics {
     pub claims_in_flight: AtomicU64,
     /// Latency of store operations as the engine sees them.
     pub store_latency: Histogram,
+    /// Open client connections per worker thread (set once at start).
+    workers: std::sync::OnceLock<Arc<crate::server::balance::Balance>>,
 }
 
 impl Metrics {
@@ -157,6 +159,11 @@ impl Metrics {
     /// The latency histogram of one upstream.
     pub fn upstream(&self, name: &str) -> Arc<Histogram> {
         self.upstreams.get(name).cloned().unwrap_or_default()
+    }
+
+    /// Where the per-worker connection counts come from.
+    pub fn set_worker_balance(&self, balance: Arc<crate::server::balance::Balance>) {
+        let _ = self.workers.set(balance);
     }
 
     /// Counts a request sent down the SQL path because a fast layer failed.
@@ -213,6 +220,18 @@ impl Metrics {
             "idemgate_claims_in_flight {}",
             self.claims_in_flight.load(Ordering::Relaxed)
         );
+        if let Some(balance) = self.workers.get() {
+            out.push_str(
+                "# HELP idemgate_worker_connections Open client connections per worker thread.\n",
+            );
+            out.push_str("# TYPE idemgate_worker_connections gauge\n");
+            for (worker, open) in balance.open_connections().iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "idemgate_worker_connections{{worker=\"{worker}\"}} {open}"
+                );
+            }
+        }
         out.push_str("# HELP idemgate_store_duration_seconds Latency of store operations.\n");
         out.push_str("# TYPE idemgate_store_duration_seconds histogram\n");
         self.store_latency

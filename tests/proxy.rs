@@ -384,3 +384,46 @@ async fn a_second_gateway_on_a_taken_port_refuses_to_start() {
     assert_eq!(stack.http.get(&stack.url("/echo")).await.status, 200);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_burst_of_connections_is_spread_evenly_over_the_workers() {
+    let stack = Stack::start_with(PASS_THROUGH, |c| c.server.worker_threads = 2).await;
+    let addr = stack.gateway.public_addr;
+    // 40 keep-alive connections opened at once, each answered once and held
+    // open: whichever worker wakes first accepts, and the balance hands
+    // connections on until both serve about half.
+    let mut held = Vec::new();
+    let mut opening = Vec::new();
+    for _ in 0..40 {
+        opening.push(tokio::spawn(async move {
+            let mut conn = TcpStream::connect(addr).await.unwrap();
+            conn.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+                .await
+                .unwrap();
+            let mut buf = vec![0u8; 8192];
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+            conn
+        }));
+    }
+    for conn in opening {
+        held.push(conn.await.unwrap());
+    }
+    let text =
+        String::from_utf8(stack.http.get(&stack.admin("/metrics")).await.body.to_vec()).unwrap();
+    let open: Vec<usize> = (0..2)
+        .map(|w| {
+            let series = format!("idemgate_worker_connections{{worker=\"{w}\"}} ");
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(&series))
+                .expect(&series);
+            line[series.len()..].parse().unwrap()
+        })
+        .collect();
+    // The admin client's own connection is not on the public listener.
+    assert_eq!(open.iter().sum::<usize>(), 40, "{open:?}");
+    assert!(open[0].abs_diff(open[1]) <= 2, "{open:?}");
+    drop(held);
+    stack.shutdown().await;
+}

@@ -70,6 +70,7 @@ pub async fn start(addr: &str) -> std::io::Result<DemoUpstream> {
         listener,
         move |_peer| DemoService { app: app.clone() },
         limits,
+        None,
         signal,
     ));
     Ok(DemoUpstream {

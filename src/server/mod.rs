@@ -8,7 +8,10 @@
 //! which keeps memory flat under a connection flood. Shutdown stops accepting
 //! first, then lets every in-flight request finish (hyper's graceful
 //! shutdown finishes the current exchange and closes keep-alive connections),
-//! bounded by a grace period.
+//! bounded by a grace period. With several workers, [`balance`] decides
+//! which worker serves each new connection.
+
+pub mod balance;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -64,11 +67,14 @@ impl ShutdownSignal {
 ///
 /// `make_service` is called once per connection with the peer address.
 /// A service error closes the connection without an answer (the demo
-/// upstream uses that to simulate a lost acknowledgement).
+/// upstream uses that to simulate a lost acknowledgement). With a `seat`,
+/// this loop is one of several workers on one socket: it serves the
+/// connections the balance leaves here and those other workers hand over.
 pub async fn serve<F, S, E>(
     listener: TcpListener,
     make_service: F,
     limits: ConnLimits,
+    mut seat: Option<balance::Seat>,
     mut shutdown: ShutdownSignal,
 ) where
     F: Fn(SocketAddr) -> S,
@@ -90,16 +96,24 @@ pub async fn serve<F, S, E>(
             },
             _ = shutdown.wait() => break,
         };
-        let (stream, peer) = tokio::select! {
+        let (stream, peer, counted) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
+                Ok((stream, peer)) => match &seat {
+                    None => (stream, peer, None),
+                    Some(seat) => match seat.place(stream, peer) {
+                        Some((stream, guard)) => (stream, peer, Some(guard)),
+                        // Another worker serves it; this slot stays free.
+                        None => continue,
+                    },
+                },
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
+                    tracing::warn!(error = %e, layer = "server", "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
+            (stream, peer, guard) = handed_over(&mut seat) => (stream, peer, Some(guard)),
             _ = shutdown.wait() => break,
         };
         let _ = stream.set_nodelay(true);
@@ -118,6 +132,7 @@ pub async fn serve<F, S, E>(
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(slot);
+            drop(counted);
         });
     }
     // Stop accepting: close the listening socket before draining.
@@ -127,6 +142,17 @@ pub async fn serve<F, S, E>(
         _ = tokio::time::sleep(limits.shutdown_grace) => {
             tracing::warn!(grace = ?limits.shutdown_grace, "shutdown grace elapsed with requests still running");
         }
+    }
+}
+
+/// The next connection another worker handed to this one; never, without
+/// a seat.
+async fn handed_over(
+    seat: &mut Option<balance::Seat>,
+) -> (tokio::net::TcpStream, SocketAddr, balance::ConnGuard) {
+    match seat {
+        Some(seat) => seat.handed().await,
+        None => std::future::pending().await,
     }
 }
 
