@@ -220,3 +220,62 @@ async fn unreachable_postgres_fails_closed_within_the_timeout_and_recovers() {
         "the store did not recover once Postgres was back"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_postgres_connections_killed_while_idle_are_replaced_not_failed() {
+    let test = "pooled_postgres_connections_killed_while_idle";
+    let Some(url) = services::postgres(test).await else {
+        return;
+    };
+    // A name to find this pool's backends by, and only them.
+    let app = format!("idemgate_{}", uuid::Uuid::now_v7().simple());
+    let sql = SqlStore::connect(&SqlSettings {
+        url: format!("{url}&application_name={app}"),
+        pool_size: 4,
+        timeout: Duration::from_secs(2),
+    })
+    .await
+    .unwrap();
+    sql.migrate().await.unwrap();
+    let store = Store::new(
+        sql,
+        None,
+        StoreSettings {
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(60),
+            fast_layer_budget: Duration::from_millis(100),
+        },
+        Arc::new(Metrics::default()),
+    );
+    let claim = |key: &str| {
+        let store = store.clone();
+        let key = RecordKey::new("s", "r", key);
+        async move { store.claim(&key, "fp", "r").await }
+    };
+    assert!(matches!(claim("before").await, Ok(Claim::Won { .. })));
+    // Postgres drops every connection of the pool (a restart, a failover,
+    // an idle-connection reaper in between) while the pool is idle.
+    let base = url.split('?').next().unwrap().to_owned();
+    let killed: Vec<(bool,)> = {
+        use sqlx::Connection;
+        let mut admin = sqlx::PgConnection::connect(&base).await.unwrap();
+        sqlx::query_as(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+        )
+        .bind(&app)
+        .fetch_all(&mut admin)
+        .await
+        .unwrap()
+    };
+    assert!(!killed.is_empty(), "no backend of the pool was found");
+    // Past the idle threshold, a checkout pings and replaces dead connections:
+    // the very next claim succeeds, none fails on a dead connection.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for i in 0..8 {
+        let result = claim(&format!("after-{i}")).await;
+        assert!(
+            matches!(result, Ok(Claim::Won { .. })),
+            "claim {i}: {result:?}"
+        );
+    }
+}

@@ -19,9 +19,11 @@ use super::StoreError;
 /// Jobs written together at most.
 pub const MAX_BATCH: usize = 256;
 /// Batches in flight at once per batcher (each holds one pooled connection).
-/// Few writers make big batches: measured on 2 cores, 1–2 writers served 20%
-/// more first requests than 4, where Postgres spent its CPU per statement.
-pub const WRITERS: usize = 2;
+/// Few writers make big batches, and Postgres spends its CPU per statement:
+/// measured on 2 cores, one writer per batcher (per worker thread) served
+/// more first requests than two (0.59× vs 0.56× the pgbench ceiling, three
+/// rounds each in one session), and two served 20% more than four.
+pub const WRITERS: usize = 1;
 
 type Reply<R> = oneshot::Sender<Result<R, StoreError>>;
 
