@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-5}
-ROUNDS=${2:-3}
+ROUNDS=${2:-5}
 CONC=${CONC:-50}
 WORK=$(mktemp -d /tmp/idemgate-loadtest.XXXX)
 PG_URL=${IDEMGATE_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
@@ -136,23 +136,38 @@ gen_run() { # label target loadgen-args…
 import json,sys
 d=json.loads(sys.stdin.read()); d.update({'scenario':'$label','target':'$target'}); print(json.dumps(d))" >> "$RES"
 }
+# The targets of round $1, in the given order on odd rounds and reversed on
+# even ones: drift in the machine's speed over a run (other tenants, CPU
+# frequency) then falls on every target alike instead of on the last one.
+in_order() {
+  local r=$1; shift
+  if (( r % 2 )); then echo "$@"; else echo "$@" | tr ' ' '\n' | tac | tr '\n' ' '; fi
+}
 rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
 
 echo "== pass-through ($ROUNDS rounds × ${SECS}s, -c $CONC)"
 for r in $(seq 1 "$ROUNDS"); do
-  oha_run pass-through upstream http://127.0.0.1:18081/pass/x
-  oha_run pass-through nginx http://127.0.0.1:18082/pass/x
-  oha_run pass-through idemgate http://127.0.0.1:18080/pass/x
+  for t in $(in_order "$r" upstream nginx idemgate); do
+    case $t in
+      upstream) oha_run pass-through upstream http://127.0.0.1:18081/pass/x ;;
+      nginx) oha_run pass-through nginx http://127.0.0.1:18082/pass/x ;;
+      idemgate) oha_run pass-through idemgate http://127.0.0.1:18080/pass/x ;;
+    esac
+  done
 done
 
 echo "== replay (one key, completed)"
 curl -s -o /dev/null -X POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' http://127.0.0.1:18080/key/r
 curl -s -o /dev/null -X POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' http://127.0.0.1:18180/key/r
 for r in $(seq 1 "$ROUNDS"); do
-  oha_run replay idemgate-pass http://127.0.0.1:18080/pass/x
-  oha_run replay idemgate-sqlite http://127.0.0.1:18080/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}'
-  oha_run replay idemgate-redis-pg http://127.0.0.1:18180/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}'
+  for t in $(in_order "$r" pass sqlite redis-pg); do
+    case $t in
+      pass) oha_run replay idemgate-pass http://127.0.0.1:18080/pass/x ;;
+      sqlite) oha_run replay idemgate-sqlite http://127.0.0.1:18080/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' ;;
+      redis-pg) oha_run replay idemgate-redis-pg http://127.0.0.1:18180/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' ;;
+    esac
+  done
 done
 
 echo "== first requests (a new key every request) and the database ceiling"
@@ -162,10 +177,15 @@ INSERT INTO $SCHEMA.raw (k, v) VALUES (:client_id || '-' || :k, 1) ON CONFLICT D
 SQL
 psql -q "$PG_URL" -c "CREATE TABLE $SCHEMA.raw (k text PRIMARY KEY, v bigint)"
 for r in $(seq 1 "$ROUNDS"); do
-  TPS=$(pgbench -n -h 127.0.0.1 -U postgres -c 16 -j 2 -T "$SECS" -f "$WORK/pgbench.sql" test 2>/dev/null | awk '/^tps = / {print $3}')
-  echo "{\"scenario\":\"first-requests\",\"target\":\"pgbench-insert\",\"rps\":$TPS,\"p50_ms\":0,\"p99_ms\":0}" >> "$RES"
-  gen_run first-requests idemgate-redis-pg unique http://127.0.0.1:18180/key/new "$CONC" "$SECS"
-  gen_run first-requests idemgate-sqlite unique http://127.0.0.1:18080/key/new "$CONC" "$SECS"
+  for t in $(in_order "$r" pgbench redis-pg sqlite); do
+    case $t in
+      pgbench)
+        TPS=$(pgbench -n -h 127.0.0.1 -U postgres -c 16 -j 2 -T "$SECS" -f "$WORK/pgbench.sql" test 2>/dev/null | awk '/^tps = / {print $3}')
+        echo "{\"scenario\":\"first-requests\",\"target\":\"pgbench-insert\",\"rps\":$TPS,\"p50_ms\":0,\"p99_ms\":0}" >> "$RES" ;;
+      redis-pg) gen_run first-requests idemgate-redis-pg unique http://127.0.0.1:18180/key/new "$CONC" "$SECS" ;;
+      sqlite) gen_run first-requests idemgate-sqlite unique http://127.0.0.1:18080/key/new "$CONC" "$SECS" ;;
+    esac
+  done
 done
 
 echo "== token flow (fetch a token, then use it)"
