@@ -274,6 +274,18 @@ async fn header_read_timeout_disconnects_a_half_sent_request_line() {
     stack.shutdown().await;
 }
 
+/// A connection that got one keep-alive answer and stays open.
+async fn served_connection(addr: std::net::SocketAddr) -> TcpStream {
+    let mut conn = TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 8192];
+    let n = conn.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    conn
+}
+
 #[tokio::test]
 async fn connection_cap_holds_extra_connections_back() {
     // One worker: the cap is split across worker threads.
@@ -284,13 +296,8 @@ async fn connection_cap_holds_extra_connections_back() {
     .await;
     let addr = stack.gateway.public_addr;
     // Connection A: one keep-alive exchange, then held open.
-    let mut a = TcpStream::connect(addr).await.unwrap();
-    a.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
-        .await
-        .unwrap();
+    let a = served_connection(addr).await;
     let mut buf = vec![0u8; 8192];
-    let n = a.read(&mut buf).await.unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
     // Connection B waits while A holds the only slot…
     let mut b = TcpStream::connect(addr).await.unwrap();
     b.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
@@ -395,16 +402,7 @@ async fn a_burst_of_connections_is_spread_evenly_over_the_workers() {
     let mut held = Vec::new();
     let mut opening = Vec::new();
     for _ in 0..40 {
-        opening.push(tokio::spawn(async move {
-            let mut conn = TcpStream::connect(addr).await.unwrap();
-            conn.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
-                .await
-                .unwrap();
-            let mut buf = vec![0u8; 8192];
-            let n = conn.read(&mut buf).await.unwrap();
-            assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
-            conn
-        }));
+        opening.push(tokio::spawn(served_connection(addr)));
     }
     for conn in opening {
         held.push(conn.await.unwrap());

@@ -30,16 +30,32 @@ async fn redis_store(test: &str) -> Option<(Store, PrivateRedis, Arc<Metrics>)> 
     let fast: Arc<dyn FastLayer> =
         Arc::new(RedisLayer::new(&redis.url(), PREFIX, Duration::from_millis(100)).unwrap());
     let metrics = Arc::new(Metrics::default());
-    let settings = StoreSettings {
-        lease: Duration::from_secs(30),
-        retention: Duration::from_secs(60),
-        fast_layer_budget: Duration::from_millis(100),
-    };
     Some((
-        Store::new(sql, Some(fast), settings, metrics.clone()),
+        Store::new(sql, Some(fast), settings(), metrics.clone()),
         redis,
         metrics,
     ))
+}
+
+fn settings() -> StoreSettings {
+    StoreSettings {
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(60),
+        fast_layer_budget: Duration::from_millis(100),
+    }
+}
+
+/// A store on Postgres alone (no fast layer) at `url`.
+async fn sql_store(url: String, timeout: Duration) -> Store {
+    let sql = SqlStore::connect(&SqlSettings {
+        url,
+        pool_size: 4,
+        timeout,
+    })
+    .await
+    .unwrap();
+    sql.migrate().await.unwrap();
+    Store::new(sql, None, settings(), Arc::new(Metrics::default()))
 }
 
 fn fallbacks(metrics: &Metrics) -> u64 {
@@ -169,24 +185,7 @@ async fn unreachable_postgres_fails_closed_within_the_timeout_and_recovers() {
     };
     let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
     let proxied = url.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
-    let sql = SqlStore::connect(&SqlSettings {
-        url: proxied,
-        pool_size: 4,
-        timeout: Duration::from_millis(500),
-    })
-    .await
-    .unwrap();
-    sql.migrate().await.unwrap();
-    let store = Store::new(
-        sql,
-        None,
-        StoreSettings {
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(60),
-            fast_layer_budget: Duration::from_millis(100),
-        },
-        Arc::new(Metrics::default()),
-    );
+    let store = sql_store(proxied, Duration::from_millis(500)).await;
     let key = RecordKey::new("s", "r", "down");
     for mode in [Mode::Blackhole, Mode::Refuse] {
         proxy.set(mode);
@@ -229,24 +228,11 @@ async fn pooled_postgres_connections_killed_while_idle_are_replaced_not_failed()
     };
     // A name to find this pool's backends by, and only them.
     let app = format!("idemgate_{}", uuid::Uuid::now_v7().simple());
-    let sql = SqlStore::connect(&SqlSettings {
-        url: format!("{url}&application_name={app}"),
-        pool_size: 4,
-        timeout: Duration::from_secs(2),
-    })
-    .await
-    .unwrap();
-    sql.migrate().await.unwrap();
-    let store = Store::new(
-        sql,
-        None,
-        StoreSettings {
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(60),
-            fast_layer_budget: Duration::from_millis(100),
-        },
-        Arc::new(Metrics::default()),
-    );
+    let store = sql_store(
+        format!("{url}&application_name={app}"),
+        Duration::from_secs(2),
+    )
+    .await;
     let claim = |key: &str| {
         let store = store.clone();
         let key = RecordKey::new("s", "r", key);
