@@ -2,7 +2,7 @@
 //! `X-Forwarded-*` headers. (Answers are filtered by the wire codec as it
 //! parses them.)
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
@@ -18,10 +18,42 @@ pub struct ClientAddr {
 impl ClientAddr {
     /// The peer at `addr`.
     pub fn new(addr: SocketAddr) -> Self {
-        let ip_text = HeaderValue::from_str(&addr.ip().to_string())
-            .expect("an IP address is a valid header value");
+        let ip_text = match addr.ip() {
+            // Once per connection, but `Display` for an address costs 1.6k
+            // instructions, a tenth of a whole request served on a new
+            // connection (measured with callgrind); octets are cheap.
+            IpAddr::V4(v4) => {
+                let mut text = [0u8; 15];
+                let len = ipv4_text(v4.octets(), &mut text);
+                HeaderValue::from_bytes(&text[..len])
+            }
+            ip => HeaderValue::from_str(&ip.to_string()),
+        }
+        .expect("an IP address is a valid header value");
         ClientAddr { addr, ip_text }
     }
+}
+
+/// Writes `a.b.c.d` into `out`; returns its length.
+fn ipv4_text(octets: [u8; 4], out: &mut [u8; 15]) -> usize {
+    let mut len = 0;
+    for (i, octet) in octets.into_iter().enumerate() {
+        if i > 0 {
+            out[len] = b'.';
+            len += 1;
+        }
+        if octet >= 100 {
+            out[len] = b'0' + octet / 100;
+            len += 1;
+        }
+        if octet >= 10 {
+            out[len] = b'0' + octet / 10 % 10;
+            len += 1;
+        }
+        out[len] = b'0' + octet % 10;
+        len += 1;
+    }
+    len
 }
 
 /// Headers that describe one connection, never the message (RFC 9110 §7.6.1).
@@ -140,6 +172,24 @@ fn line(out: &mut Vec<u8>, name: &[u8], values: &[&[u8]]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn client_addresses_are_written_as_display_writes_them() {
+        let mut octets = [0u8, 9, 10, 99, 100, 199, 200, 255];
+        for seed in 0..4096u32 {
+            octets.rotate_left(1);
+            let ip = std::net::Ipv4Addr::new(
+                octets[0],
+                octets[(seed % 7) as usize + 1],
+                (seed % 256) as u8,
+                (seed / 16 % 256) as u8,
+            );
+            let client = ClientAddr::new(SocketAddr::from((ip, 4000)));
+            assert_eq!(client.ip_text.to_str().unwrap(), ip.to_string());
+        }
+        let v6: SocketAddr = "[2001:db8::1]:443".parse().unwrap();
+        assert_eq!(ClientAddr::new(v6).ip_text.to_str().unwrap(), "2001:db8::1");
+    }
 
     #[test]
     fn the_hop_by_hop_check_matches_the_list() {
