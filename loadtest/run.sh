@@ -157,6 +157,16 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 
+echo "== pass-through on a new connection per request (clients without keep-alive)"
+for r in $(seq 1 "$ROUNDS"); do
+  for t in $(in_order "$r" nginx idemgate); do
+    case $t in
+      nginx) oha_run new-connections nginx http://127.0.0.1:18082/pass/x --disable-keepalive ;;
+      idemgate) oha_run new-connections idemgate http://127.0.0.1:18080/pass/x --disable-keepalive ;;
+    esac
+  done
+done
+
 echo "== replay (one key, completed)"
 curl -s -o /dev/null -X POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' http://127.0.0.1:18080/key/r
 curl -s -o /dev/null -X POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' http://127.0.0.1:18180/key/r
@@ -225,6 +235,7 @@ def table(title, scenario, targets, base=None):
         p(f"| {t} | {a['rps']:,.0f} | {a['p50_ms']:.2f} | {a['p99_ms']:.2f} | {ratio} |")
     p("")
 table("Pass-through (`idempotency = \"none\"`)", "pass-through", ["upstream", "nginx", "idemgate"], "nginx")
+table("Pass-through, a new connection per request (`oha --disable-keepalive`)", "new-connections", ["nginx", "idemgate"], "nginx")
 table("Replay (one key, already completed)", "replay", ["idemgate-pass", "idemgate-sqlite", "idemgate-redis-pg"], "idemgate-pass")
 table("First requests (a new key every request; claim durable before forwarding)", "first-requests", ["pgbench-insert", "idemgate-redis-pg", "idemgate-sqlite"], "pgbench-insert")
 table("Token flow (fetch a token, then use it; req/s = flows/s)", "token-flow", ["idemgate-sqlite", "idemgate-redis-pg"])
