@@ -242,20 +242,10 @@ async fn pooled_postgres_connections_killed_while_idle_are_replaced_not_failed()
     // Postgres drops every connection of the pool (a restart, a failover,
     // an idle-connection reaper in between) while the pool is idle.
     let base = url.split('?').next().unwrap().to_owned();
-    let killed: Vec<(bool,)> = {
-        use sqlx::Connection;
-        let mut admin = sqlx::PgConnection::connect(&base).await.unwrap();
-        sqlx::query_as(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-        )
-        .bind(&app)
-        .fetch_all(&mut admin)
-        .await
-        .unwrap()
-    };
-    assert!(!killed.is_empty(), "no backend of the pool was found");
-    // Past the idle threshold, a checkout pings and replaces dead connections:
-    // the very next claim succeeds, none fails on a dead connection.
+    kill_backends(&base, &app).await;
+    // Past the idle threshold, a checkout pings and replaces dead connections
+    // (the batch writer's kept one included): the very next claim succeeds,
+    // none fails on a dead connection.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for i in 0..8 {
         let result = claim(&format!("after-{i}")).await;
@@ -264,4 +254,40 @@ async fn pooled_postgres_connections_killed_while_idle_are_replaced_not_failed()
             "claim {i}: {result:?}"
         );
     }
+    // Killed again with no pause (a restart under load): a batch that meets
+    // a dead connection fails closed, that connection is dropped, and
+    // claims recover once each dead one has been met (at most the writer's
+    // kept connection and the pool's four).
+    kill_backends(&base, &app).await;
+    let mut outcomes = Vec::new();
+    for i in 0..12 {
+        let result = claim(&format!("busy-{i}")).await;
+        assert!(
+            matches!(
+                result,
+                Ok(Claim::Won { .. }) | Err(StoreError::Unavailable { .. })
+            ),
+            "claim {i}: {result:?}"
+        );
+        outcomes.push(result.is_ok());
+    }
+    assert!(
+        outcomes.iter().filter(|ok| !**ok).count() <= 5,
+        "{outcomes:?}"
+    );
+    assert!(outcomes[9..].iter().all(|ok| *ok), "{outcomes:?}");
+}
+
+/// Terminates every Postgres backend of the pool named `app`.
+async fn kill_backends(base: &str, app: &str) {
+    use sqlx::Connection;
+    let mut admin = sqlx::PgConnection::connect(base).await.unwrap();
+    let killed: Vec<(bool,)> = sqlx::query_as(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(app)
+    .fetch_all(&mut admin)
+    .await
+    .unwrap();
+    assert!(!killed.is_empty(), "no backend of the pool was found");
 }

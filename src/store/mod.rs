@@ -24,6 +24,7 @@
 pub mod batch;
 pub mod codec;
 pub mod fast;
+pub mod held;
 pub mod memory;
 pub mod redis;
 pub mod sql;

@@ -32,6 +32,7 @@ use sqlx::sqlite::{
 use sqlx::{Connection, Row};
 
 use super::codec::{decode_headers, encode_headers};
+use super::held::HeldConnection;
 use super::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse, after_ms};
 
 /// Rows moved per sweep statement: small enough that a sweep never holds
@@ -60,6 +61,9 @@ macro_rules! with_pool {
 pub struct SqlStore {
     pool: Pool,
     timeout: Duration,
+    /// Whether batch writers keep a Postgres connection between batches
+    /// (see [`super::held`]): only with room left in the pool.
+    hold_batch_connections: bool,
 }
 
 /// A pooled Postgres connection idle longer than this is pinged before use
@@ -233,6 +237,8 @@ impl SqlStore {
             Pool::Postgres(pool)
         };
         Ok(SqlStore {
+            hold_batch_connections: matches!(pool, Pool::Postgres(_))
+                && settings.pool_size >= super::held::MIN_POOL_TO_HOLD,
             pool,
             timeout: settings.timeout,
         })
@@ -252,6 +258,22 @@ impl SqlStore {
         match self.pool {
             Pool::Postgres(_) => "postgres",
             Pool::Sqlite(_) => "sqlite",
+        }
+    }
+
+    /// Runs one batch statement on Postgres: on the batch writer's kept
+    /// connection when the pool has room to keep one, else on a pooled one.
+    async fn on_batch_connection<T>(
+        &self,
+        pool: &PgPool,
+        held: &HeldConnection,
+        work: impl AsyncFnOnce(&mut sqlx::PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, sqlx::Error> {
+        if self.hold_batch_connections {
+            held.run(pool, PING_IF_IDLE_FOR, work).await
+        } else {
+            let mut conn = pool.acquire().await?;
+            work(&mut conn).await
         }
     }
 
@@ -302,8 +324,13 @@ impl SqlStore {
         };
         // A record deleted (purged, swept) between our statements makes the
         // read find nothing; the loop then simply claims again.
+        // Not a batch writer: a connection of its own, returned at the end.
+        let unbatched = HeldConnection::default();
         for _ in 0..3 {
-            if self.insert_claims(std::slice::from_ref(&job)).await?[0] {
+            if self
+                .insert_claims(std::slice::from_ref(&job), &unbatched)
+                .await?[0]
+            {
                 return Ok(Claim::Won { epoch: 1 });
             }
             if let Some(claim) = self.claim_existing(&job).await? {
@@ -321,7 +348,11 @@ impl SqlStore {
     /// was inserted, i.e. the claim was won with epoch 1. A key twice in one
     /// batch is inserted for its first job only; the second then meets the
     /// row like any duplicate.
-    pub async fn insert_claims(&self, batch: &[NewClaim]) -> Result<Vec<bool>, StoreError> {
+    pub async fn insert_claims(
+        &self,
+        batch: &[NewClaim],
+        held: &HeldConnection,
+    ) -> Result<Vec<bool>, StoreError> {
         match &self.pool {
             Pool::Postgres(pool) if batch.len() > 1 => {
                 let mut columns = PgClaimColumns::default();
@@ -335,20 +366,23 @@ impl SqlStore {
                     }
                 }
                 let inserted = self
-                    .bounded("claim", async {
-                        sqlx::query(CLAIM_INSERT_MANY_PG)
-                            .bind(&columns.scope)
-                            .bind(&columns.route)
-                            .bind(&columns.key)
-                            .bind(&columns.fingerprint)
-                            .bind(&columns.lease_until)
-                            .bind(&columns.request_id)
-                            .bind(&columns.now)
-                            .bind(&columns.expires)
-                            .fetch_all(pool)
-                            .await
-                            .and_then(|rows| returned_keys(&rows))
-                    })
+                    .bounded(
+                        "claim",
+                        self.on_batch_connection(pool, held, async |conn| {
+                            sqlx::query(CLAIM_INSERT_MANY_PG)
+                                .bind(&columns.scope)
+                                .bind(&columns.route)
+                                .bind(&columns.key)
+                                .bind(&columns.fingerprint)
+                                .bind(&columns.lease_until)
+                                .bind(&columns.request_id)
+                                .bind(&columns.now)
+                                .bind(&columns.expires)
+                                .fetch_all(conn)
+                                .await
+                                .and_then(|rows| returned_keys(&rows))
+                        }),
+                    )
                     .await?;
                 Ok(batch
                     .iter()
@@ -359,19 +393,22 @@ impl SqlStore {
             Pool::Postgres(pool) => {
                 let c = &batch[0];
                 let won = self
-                    .bounded("claim", async {
-                        sqlx::query(CLAIM_INSERT)
-                            .bind(&c.key.scope)
-                            .bind(&c.key.route)
-                            .bind(&c.key.key)
-                            .bind(&c.fingerprint)
-                            .bind(after_ms(c.now, c.lease))
-                            .bind(&c.request_id)
-                            .bind(c.now)
-                            .bind(after_ms(c.now, c.retention))
-                            .fetch_optional(pool)
-                            .await
-                    })
+                    .bounded(
+                        "claim",
+                        self.on_batch_connection(pool, held, async |conn| {
+                            sqlx::query(CLAIM_INSERT)
+                                .bind(&c.key.scope)
+                                .bind(&c.key.route)
+                                .bind(&c.key.key)
+                                .bind(&c.fingerprint)
+                                .bind(after_ms(c.now, c.lease))
+                                .bind(&c.request_id)
+                                .bind(c.now)
+                                .bind(after_ms(c.now, c.retention))
+                                .fetch_optional(conn)
+                                .await
+                        }),
+                    )
                     .await?;
                 Ok(vec![won.is_some()])
             }
@@ -489,8 +526,12 @@ impl SqlStore {
 
     /// Stores many outcomes at once (see [`super::batch`]); one flag per
     /// completion, false where the epoch no longer holds the claim.
-    pub async fn complete_many(&self, batch: &[Completion]) -> Result<Vec<bool>, StoreError> {
-        if batch.len() == 1 {
+    pub async fn complete_many(
+        &self,
+        batch: &[Completion],
+        held: &HeldConnection,
+    ) -> Result<Vec<bool>, StoreError> {
+        if batch.len() == 1 && !self.hold_batch_connections {
             let c = &batch[0];
             return Ok(vec![
                 self.complete(&c.key, c.epoch, &c.response, c.now, c.retention)
@@ -504,22 +545,25 @@ impl SqlStore {
                     columns.push(c);
                 }
                 let done = self
-                    .bounded("complete", async {
-                        sqlx::query(COMPLETE_MANY_PG)
-                            .bind(&columns.scope)
-                            .bind(&columns.route)
-                            .bind(&columns.key)
-                            .bind(&columns.epoch)
-                            .bind(&columns.status)
-                            .bind(&columns.headers)
-                            .bind(&columns.body)
-                            .bind(&columns.body_kept)
-                            .bind(&columns.request_id)
-                            .bind(&columns.now)
-                            .fetch_all(pool)
-                            .await
-                            .and_then(|rows| returned_keys(&rows))
-                    })
+                    .bounded(
+                        "complete",
+                        self.on_batch_connection(pool, held, async |conn| {
+                            sqlx::query(COMPLETE_MANY_PG)
+                                .bind(&columns.scope)
+                                .bind(&columns.route)
+                                .bind(&columns.key)
+                                .bind(&columns.epoch)
+                                .bind(&columns.status)
+                                .bind(&columns.headers)
+                                .bind(&columns.body)
+                                .bind(&columns.body_kept)
+                                .bind(&columns.request_id)
+                                .bind(&columns.now)
+                                .fetch_all(conn)
+                                .await
+                                .and_then(|rows| returned_keys(&rows))
+                        }),
+                    )
                     .await?;
                 Ok(batch.iter().map(|c| done.contains(&c.key)).collect())
             }

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use super::batch::Batcher;
 use super::codec::FastEntry;
 use super::fast::FastLayer;
+use super::held::HeldConnection;
 use super::sql::{Completion, NewClaim, SqlStore};
 use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
 use crate::metrics::Metrics;
@@ -62,16 +63,18 @@ impl Store {
         Store {
             claims: {
                 let sql = sql.clone();
+                let held = Arc::new(HeldConnection::default());
                 Batcher::spawn("claim", move |batch: Vec<NewClaim>| {
-                    let sql = sql.clone();
-                    async move { sql.insert_claims(&batch).await }
+                    let (sql, held) = (sql.clone(), held.clone());
+                    async move { sql.insert_claims(&batch, &held).await }
                 })
             },
             completions: {
                 let sql = sql.clone();
+                let held = Arc::new(HeldConnection::default());
                 Batcher::spawn("complete", move |batch: Vec<Completion>| {
-                    let sql = sql.clone();
-                    async move { sql.complete_many(&batch).await }
+                    let (sql, held) = (sql.clone(), held.clone());
+                    async move { sql.complete_many(&batch, &held).await }
                 })
             },
             sql,
