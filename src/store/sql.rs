@@ -277,6 +277,27 @@ impl SqlStore {
         }
     }
 
+    /// Runs one batch statement that returns the keys it wrote, bounded by
+    /// `store.timeout`.
+    async fn batch_keys(
+        &self,
+        op: &'static str,
+        pool: &PgPool,
+        held: &HeldConnection,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<std::collections::HashSet<RecordKey>, StoreError> {
+        self.bounded(
+            op,
+            self.on_batch_connection(pool, held, async move |conn| {
+                query
+                    .fetch_all(conn)
+                    .await
+                    .and_then(|rows| returned_keys(&rows))
+            }),
+        )
+        .await
+    }
+
     /// Bounds one operation by `store.timeout` and names it in errors.
     async fn bounded<T>(
         &self,
@@ -365,25 +386,16 @@ impl SqlStore {
                         columns.push(c);
                     }
                 }
-                let inserted = self
-                    .bounded(
-                        "claim",
-                        self.on_batch_connection(pool, held, async |conn| {
-                            sqlx::query(CLAIM_INSERT_MANY_PG)
-                                .bind(&columns.scope)
-                                .bind(&columns.route)
-                                .bind(&columns.key)
-                                .bind(&columns.fingerprint)
-                                .bind(&columns.lease_until)
-                                .bind(&columns.request_id)
-                                .bind(&columns.now)
-                                .bind(&columns.expires)
-                                .fetch_all(conn)
-                                .await
-                                .and_then(|rows| returned_keys(&rows))
-                        }),
-                    )
-                    .await?;
+                let query = sqlx::query(CLAIM_INSERT_MANY_PG)
+                    .bind(&columns.scope)
+                    .bind(&columns.route)
+                    .bind(&columns.key)
+                    .bind(&columns.fingerprint)
+                    .bind(&columns.lease_until)
+                    .bind(&columns.request_id)
+                    .bind(&columns.now)
+                    .bind(&columns.expires);
+                let inserted = self.batch_keys("claim", pool, held, query).await?;
                 Ok(batch
                     .iter()
                     .zip(first)
@@ -544,27 +556,18 @@ impl SqlStore {
                 for c in batch {
                     columns.push(c);
                 }
-                let done = self
-                    .bounded(
-                        "complete",
-                        self.on_batch_connection(pool, held, async |conn| {
-                            sqlx::query(COMPLETE_MANY_PG)
-                                .bind(&columns.scope)
-                                .bind(&columns.route)
-                                .bind(&columns.key)
-                                .bind(&columns.epoch)
-                                .bind(&columns.status)
-                                .bind(&columns.headers)
-                                .bind(&columns.body)
-                                .bind(&columns.body_kept)
-                                .bind(&columns.request_id)
-                                .bind(&columns.now)
-                                .fetch_all(conn)
-                                .await
-                                .and_then(|rows| returned_keys(&rows))
-                        }),
-                    )
-                    .await?;
+                let query = sqlx::query(COMPLETE_MANY_PG)
+                    .bind(&columns.scope)
+                    .bind(&columns.route)
+                    .bind(&columns.key)
+                    .bind(&columns.epoch)
+                    .bind(&columns.status)
+                    .bind(&columns.headers)
+                    .bind(&columns.body)
+                    .bind(&columns.body_kept)
+                    .bind(&columns.request_id)
+                    .bind(&columns.now);
+                let done = self.batch_keys("complete", pool, held, query).await?;
                 Ok(batch.iter().map(|c| done.contains(&c.key)).collect())
             }
             Pool::Sqlite(pool) => {
