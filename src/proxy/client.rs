@@ -284,7 +284,6 @@ fn into_response(head: ResponseHead, mut conn: Conn, pool: &Arc<Pool>) -> Respon
         headers,
         framing,
         reusable,
-        ..
     } = head;
     let body = match framing {
         BodyFraming::Empty => {

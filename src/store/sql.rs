@@ -543,13 +543,6 @@ impl SqlStore {
         batch: &[Completion],
         held: &HeldConnection,
     ) -> Result<Vec<bool>, StoreError> {
-        if batch.len() == 1 && !self.hold_batch_connections {
-            let c = &batch[0];
-            return Ok(vec![
-                self.complete(&c.key, c.epoch, &c.response, c.now, c.retention)
-                    .await?,
-            ]);
-        }
         match &self.pool {
             Pool::Postgres(pool) => {
                 let mut columns = PgColumns::default();
