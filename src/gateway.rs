@@ -16,7 +16,7 @@ use tower::Layer;
 
 use crate::callback::{CallbackPolicy, KeySource, Verifier};
 use crate::config::{Config, Idempotency, PathMatch, RouteKind, RouteMatcher};
-use crate::idempotency::{Engine, EngineSettings, IdempotencyLayer, KeyPolicy};
+use crate::idempotency::{Engine, EngineSettings, Holders, IdempotencyLayer, KeyPolicy};
 use crate::metrics::Metrics;
 use crate::proxy::{Pool, Proxy, Upstream};
 use crate::router::{Route, RouteService, Router, TowerHandler};
@@ -122,6 +122,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         memory,
         token_keys: Arc::new(token_keys),
         workers: threads,
+        holders: Arc::new(Holders::default()),
     });
     // Build once here so that a bad route fails the start, not a thread.
     let token_routes = build_router(&shared, &store)?.1;
@@ -240,6 +241,8 @@ struct Shared {
     memory: Option<Arc<crate::store::memory::MemoryLayer>>,
     token_keys: Arc<TokenKeys>,
     workers: usize,
+    /// Every claim this process holds, across workers.
+    holders: Arc<Holders>,
 }
 
 /// One public-listener thread: its own event loop, socket and stacks.
@@ -312,14 +315,23 @@ fn spawn_worker(
                     }
                 };
                 let _ = ready.send(Ok(bound));
-                server::serve(
+                // Claims outlive their connections: after the drain starts,
+                // this loop stays up until the claims held here are
+                // recorded, within the same grace.
+                let mut stopping = signal.clone();
+                let holders = shared.holders.clone();
+                let serving = server::serve(
                     listener,
                     PeerService::factory(router),
                     limits,
                     Some(seat),
                     signal,
-                )
-                .await;
+                );
+                let held = async move {
+                    stopping.wait().await;
+                    holders.drain(limits.shutdown_grace).await;
+                };
+                tokio::join!(serving, held);
             });
         })
         .expect("spawning a worker thread")
@@ -399,6 +411,7 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
                     .unwrap_or_default(),
             },
             metrics.clone(),
+            shared.holders.clone(),
         );
         let service: RouteService = match (r.kind, r.idempotency()) {
             (RouteKind::Sync, Idempotency::None) => Arc::new(proxy),

@@ -4,7 +4,8 @@
 //! `X-Demo-Fail-Status: 503`, `X-Demo-Drop: before|after` (drop the
 //! connection before acting, or after committing — the lost ACK),
 //! `X-Demo-Cut-Body: 1` (commit, send the head and a few body bytes, then
-//! reset — a response cut mid-body).
+//! reset — a response cut mid-body), `X-Demo-Stall-Body-Ms: 5000` (commit,
+//! send the head and 5 body bytes, stall, then the rest — a slow body).
 //! Armed for the next N requests, through `POST /faults` with
 //! `{"delay_ms": 500, "fail_status": 503, "drop": "after", "count": 1}`
 //! (`count` absent: until `DELETE /faults`). Armed faults are what a retrying
@@ -38,6 +39,7 @@ pub struct FaultPlan {
     pub drop: Option<DropPoint>,
     #[serde(default)]
     pub cut_body: bool,
+    pub stall_body_ms: Option<u64>,
     /// How many requests the plan applies to; absent = all until cleared.
     pub count: Option<u64>,
 }
@@ -49,6 +51,7 @@ pub(super) struct Faults {
     pub fail_status: Option<u16>,
     pub drop: Option<DropPoint>,
     pub cut_body: bool,
+    pub stall_body: Option<Duration>,
 }
 
 impl FaultPlan {
@@ -57,7 +60,8 @@ impl FaultPlan {
         let armed = self.delay_ms.is_some()
             || self.fail_status.is_some()
             || self.drop.is_some()
-            || self.cut_body;
+            || self.cut_body
+            || self.stall_body_ms.is_some();
         if !armed || self.count == Some(0) {
             return Faults::default();
         }
@@ -69,6 +73,7 @@ impl FaultPlan {
             fail_status: self.fail_status,
             drop: self.drop,
             cut_body: self.cut_body,
+            stall_body: self.stall_body_ms.map(Duration::from_millis),
         }
     }
 }
@@ -82,6 +87,9 @@ impl Faults {
         }
         if let Some(status) = get("x-demo-fail-status").and_then(|v| v.parse().ok()) {
             self.fail_status = Some(status);
+        }
+        if let Some(ms) = get("x-demo-stall-body-ms").and_then(|v| v.parse().ok()) {
+            self.stall_body = Some(Duration::from_millis(ms));
         }
         if get("x-demo-cut-body").is_some() {
             self.cut_body = true;

@@ -66,6 +66,8 @@ pub(super) fn router(state: Arc<DemoState>) -> axum::Router {
 
 async fn apply_faults(State(state): AppState, req: Request, next: Next) -> Response {
     state.count_request();
+    // Counts this request as running until its whole body has gone out.
+    let running = state.clone().start_running();
     let armed = state
         .faults
         .lock()
@@ -102,7 +104,54 @@ async fn apply_faults(State(state): AppState, req: Request, next: Next) -> Respo
         ];
         *response.body_mut() = Body::from_stream(futures_util::stream::iter(chunks));
     }
+    if let Some(stall) = faults.stall_body {
+        // Committed; the head and 5 bytes go out, then nothing for `stall`,
+        // then the rest.
+        let body = std::mem::replace(response.body_mut(), Body::empty());
+        let whole = axum::body::to_bytes(body, usize::MAX)
+            .await
+            .unwrap_or_default();
+        let cut = whole.len().min(5);
+        let (head, rest) = (whole.slice(..cut), whole.slice(cut..));
+        let chunks = futures_util::stream::iter([Ok::<_, std::io::Error>(head)]).chain(
+            futures_util::stream::once(async move {
+                tokio::time::sleep(stall).await;
+                Ok(rest)
+            }),
+        );
+        *response.body_mut() = Body::from_stream(chunks);
+    }
+    let inner = std::mem::replace(response.body_mut(), Body::empty());
+    *response.body_mut() = Body::new(Tracked { inner, running });
     response
+}
+
+/// A body that keeps its request counted as running until it is done;
+/// framing (the size hint) is the inner body's.
+struct Tracked {
+    inner: Body,
+    #[allow(dead_code)] // held for its Drop
+    running: super::state::Running,
+}
+
+impl http_body::Body for Tracked {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Option<&str> {

@@ -20,6 +20,17 @@ pub struct DemoState {
     business: Mutex<Business>,
     pub(super) faults: Mutex<FaultPlan>,
     requests: AtomicU64,
+    running: AtomicU64,
+    peak_running: AtomicU64,
+}
+
+/// A business request being served; dropped when its body has gone out.
+pub(super) struct Running(std::sync::Arc<DemoState>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[derive(Default)]
@@ -49,6 +60,9 @@ pub struct Stats {
     pub total_executions: u64,
     /// Requests received, including repeats that did nothing.
     pub requests: u64,
+    /// Most business requests ever served at once (head to end of body).
+    #[serde(default)]
+    pub peak_running: u64,
 }
 
 /// The answer of a state transition.
@@ -71,6 +85,12 @@ impl DemoState {
         self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(super) fn start_running(self: std::sync::Arc<Self>) -> Running {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak_running.fetch_max(now, Ordering::SeqCst);
+        Running(self)
+    }
+
     /// How many times `action` executed for `key`.
     pub fn executions(&self, action: &str, key: &str) -> u64 {
         self.lock()
@@ -88,6 +108,7 @@ impl DemoState {
             total_executions: business.executions.values().flat_map(|k| k.values()).sum(),
             executions: business.executions.clone(),
             requests: self.requests.load(Ordering::Relaxed),
+            peak_running: self.peak_running.load(Ordering::SeqCst),
         }
     }
 
@@ -95,6 +116,7 @@ impl DemoState {
     pub fn reset(&self) {
         *self.lock() = Business::default();
         self.requests.store(0, Ordering::Relaxed);
+        self.peak_running.store(0, Ordering::SeqCst);
     }
 
     /// A non-idempotent action: executes every time; returns the count.

@@ -1,4 +1,4 @@
-//! The engine: scope + key → claim → forward → store the outcome → replay.
+//! The engine: scope + key → claim → hold → replay.
 //!
 //! Ordering is the guarantee:
 //! 1. Everything that can refuse a request without the store (policy, body
@@ -6,14 +6,20 @@
 //! 2. The claim is durable in SQL before the request is forwarded (the
 //!    store's `claim`); if the store cannot answer, the request is refused
 //!    503 and never forwarded — fail closed.
-//! 3. While the upstream works, the lease is renewed every third of its
-//!    length, so a slow request is not taken over by a retry.
+//! 3. A won claim belongs to a [`Holder`] (see [`super::holder`]), in a task
+//!    the client cannot cancel: it forwards, renews the lease, receives the
+//!    whole response within the upstream's timeout and records the outcome
+//!    until it is durable, whether the client is still there or not.
 //! 4. The outcome decides the record: a stored status completes it; a 5xx,
 //!    408/409/425/429 or a request that never left releases it (the retry
 //!    executes again); a request that reached the upstream without an answer
 //!    coming back (timeout, reset, body cut) marks it uncertain, and the next
 //!    retry is forwarded again — one at a time, with the same key, so the
 //!    upstream's own state check decides.
+//! 5. A duplicate in flight is answered 409, or (`on_concurrent = "wait"`)
+//!    waits for the holder's published outcome — no polling while the holder
+//!    runs in this process; a slow poll of the store covers holders on other
+//!    instances.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -27,14 +33,17 @@ use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use sha2::{Digest, Sha256};
 use tower::{Service, ServiceExt};
 
-use super::body::{BodyError, Captured, capture, chain, read_and_fingerprint};
+use tokio::sync::oneshot;
+
+use super::body::{BodyError, read_and_fingerprint};
+use super::holder::{Holder, Holders, Outcome as Published};
 use super::layer::{Head, Policy};
 use super::{IDEMPOTENCY_KEY, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 use crate::config::OnConcurrent;
 use crate::error::Problem;
 use crate::identity::scope_of;
 use crate::metrics::{Metrics, Outcome};
-use crate::proxy::{ForwardFailure, is_hop_by_hop};
+use crate::proxy::is_hop_by_hop;
 use crate::request_id::X_REQUEST_ID;
 use crate::store::{Claim, RecordKey, StoreError, StoredResponse};
 
@@ -75,36 +84,51 @@ pub struct Engine {
     store: crate::store::Store,
     settings: Arc<EngineSettings>,
     metrics: Arc<Metrics>,
+    holders: Arc<Holders>,
 }
 
-/// First poll delay of a waiting duplicate; it doubles up to the maximum.
+/// First poll delay of a duplicate waiting for a holder on another
+/// instance; it doubles up to the maximum.
 const WAIT_POLL_START: Duration = Duration::from_millis(5);
 const WAIT_POLL_MAX: Duration = Duration::from_millis(100);
+/// A duplicate waiting for this process's holder also claims again this
+/// often, in case the outcome arrives another way (a takeover elsewhere).
+const WAIT_SAFETY_POLL: Duration = Duration::from_millis(500);
 
 impl Engine {
-    /// An engine for one route.
+    /// An engine for one route. `holders` is the process's list of live
+    /// claims: every engine of a process shares one, so that a duplicate
+    /// on any worker finds the holder of its key.
     pub fn new(
         store: crate::store::Store,
         settings: EngineSettings,
         metrics: Arc<Metrics>,
+        holders: Arc<Holders>,
     ) -> Self {
         Engine {
             store,
             settings: Arc::new(settings),
             metrics,
+            holders,
         }
     }
 
     /// Handles one request on a protected route.
     pub async fn handle<S, P>(&self, policy: P, inner: S, req: Request<Body>) -> Response<Body>
     where
-        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+            + Clone
+            + Send
+            + 'static,
         S::Future: Send,
         P: Policy,
     {
         let (parts, body) = req.into_parts();
         let scope = scope_of(&parts.headers, &self.settings.identity_header);
         let head = match policy.key_in_head(&parts, &scope) {
+            Ok(Head::Bypass) => {
+                return forward_plain(inner, Request::from_parts(parts, body)).await;
+            }
             Ok(head) => head,
             Err(problem) => {
                 return problem
@@ -112,9 +136,6 @@ impl Engine {
                     .into_response();
             }
         };
-        if let Head::Bypass = head {
-            return forward_plain(inner, Request::from_parts(parts, body)).await;
-        }
         // A slow-drip body must not hold a connection (and, later, a claim)
         // forever: the whole body arrives within the deadline or the
         // request is refused before anything is stored.
@@ -141,7 +162,9 @@ impl Engine {
                         .into_response();
                 }
             },
-            Head::Bypass => unreachable!("handled above"),
+            Head::Bypass => {
+                return forward_plain(inner, Request::from_parts(parts, Body::from(bytes))).await;
+            }
         };
         let key = RecordKey::new(scope, &*self.settings.route, key);
         if let Some(refusal) = replay_only {
@@ -155,40 +178,186 @@ impl Engine {
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default()
             .to_owned();
+        let ticket = Ticket {
+            key,
+            fingerprint,
+            request_id,
+        };
+        self.claim_and_hold(policy, inner, parts, bytes, ticket)
+            .await
+    }
 
-        let deadline = Instant::now() + self.settings.wait_limit;
+    /// Claims the key; a won claim is seen through by a [`Holder`]. A
+    /// duplicate in flight is refused (409), or with `on_concurrent =
+    /// "wait"` waits for the holder's outcome and claims again.
+    ///
+    /// Each claim runs in a task of its own: a client that hangs up while
+    /// its claim is being written must not leave a won claim that nobody
+    /// forwards.
+    async fn claim_and_hold<S, P>(
+        &self,
+        policy: P,
+        inner: S,
+        mut parts: Parts,
+        mut bytes: Bytes,
+        ticket: Ticket,
+    ) -> Response<Body>
+    where
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send,
+        P: Policy,
+    {
+        let ticket = Arc::new(ticket);
+        let until = Instant::now() + self.settings.wait_limit;
         let mut pause = WAIT_POLL_START;
         loop {
-            match self.store.claim(&key, &fingerprint, &request_id).await {
-                Err(e) => return self.refuse::<P>(e.into(), Some(&key)),
-                Ok(Claim::Completed(stored)) => return replay(stored),
-                Ok(Claim::Mismatch) => {
-                    return self.refuse::<P>(IdempotencyError::Mismatch, Some(&key));
+            let (reply, answer) = oneshot::channel();
+            tokio::spawn(self.clone().attempt(
+                policy.clone(),
+                inner.clone(),
+                parts,
+                bytes,
+                ticket.clone(),
+                reply,
+            ));
+            let retry_after = match answer.await {
+                Ok(Attempt::Answered(response)) => return response,
+                Ok(Attempt::InFlight {
+                    retry_after,
+                    parts: p,
+                    bytes: b,
+                }) => {
+                    (parts, bytes) = (p, b);
+                    retry_after
                 }
-                Ok(Claim::InFlight { retry_after }) => {
-                    let wait = self.settings.on_concurrent == OnConcurrent::Wait;
-                    if wait && Instant::now() + pause < deadline {
-                        // Poll the claim: it answers from the fast layer
-                        // while the marker stands, replays once the first
-                        // request completed (in this process or another),
-                        // and wins if the first one was released.
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(WAIT_POLL_MAX);
-                        continue;
-                    }
-                    return self
-                        .refuse::<P>(IdempotencyError::InFlight { retry_after }, Some(&key));
+                Err(_) => {
+                    return Problem::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "holder-failed",
+                        "The gateway lost track of this request; retry it with the same key",
+                    )
+                    .logged(
+                        P::LAYER,
+                        format!(
+                            "key {}: claim task ended without an answer",
+                            ticket.key.escaped()
+                        ),
+                    )
+                    .into_response();
                 }
-                Ok(Claim::Won { epoch }) => {
-                    let claim = Claimed {
-                        key: &key,
-                        fingerprint: &fingerprint,
-                        epoch,
-                        request_id: &request_id,
-                    };
-                    return self.forward(&policy, inner, parts, bytes, claim).await;
-                }
+            };
+            let wait = self.settings.on_concurrent == OnConcurrent::Wait;
+            if !wait || Instant::now() >= until {
+                return self.refuse::<P>(
+                    IdempotencyError::InFlight { retry_after },
+                    Some(&ticket.key),
+                );
             }
+            if let Some(stored) = self.wait_turn(&ticket, until, &mut pause).await {
+                return replay(stored);
+            }
+        }
+    }
+
+    /// One claim, and if it is won, the holder's whole run. The answer goes
+    /// to `reply` as soon as there is one; the task goes on after that.
+    async fn attempt<S, P>(
+        self,
+        policy: P,
+        inner: S,
+        mut parts: Parts,
+        bytes: Bytes,
+        ticket: Arc<Ticket>,
+        reply: oneshot::Sender<Attempt>,
+    ) where
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send + 'static,
+        S::Future: Send,
+        P: Policy,
+    {
+        let Ticket {
+            key,
+            fingerprint,
+            request_id,
+        } = &*ticket;
+        let epoch = match self.store.claim(key, fingerprint, request_id).await {
+            Ok(Claim::Won { epoch }) => epoch,
+            Ok(Claim::InFlight { retry_after }) => {
+                let _ = reply.send(Attempt::InFlight {
+                    retry_after,
+                    parts,
+                    bytes,
+                });
+                return;
+            }
+            Ok(Claim::Completed(stored)) => {
+                let _ = reply.send(Attempt::Answered(replay(stored)));
+                return;
+            }
+            Ok(Claim::Mismatch) => {
+                let refused = self.refuse::<P>(IdempotencyError::Mismatch, Some(key));
+                let _ = reply.send(Attempt::Answered(refused));
+                return;
+            }
+            Err(e) => {
+                let _ = reply.send(Attempt::Answered(self.refuse::<P>(e.into(), Some(key))));
+                return;
+            }
+        };
+        policy.strip(&mut parts.headers);
+        parts
+            .headers
+            .insert(IDEMPOTENCY_KEY, stable_key(key).into_header());
+        let request = Request::from_parts(parts, Body::from(bytes));
+        let holder = Holder {
+            ledger: self.store.clone(),
+            holders: self.holders.clone(),
+            key: key.clone(),
+            fingerprint: fingerprint.clone(),
+            epoch,
+            request_id: request_id.clone(),
+            deadline: self.settings.wait_limit,
+            max_stored_body_bytes: self.settings.max_stored_body_bytes,
+            layer: P::LAYER,
+        };
+        let in_flight = &self.metrics.claims_in_flight;
+        in_flight.fetch_add(1, Ordering::Relaxed);
+        holder
+            .run(inner, request, move |response| {
+                let _ = reply.send(Attempt::Answered(response));
+            })
+            .await;
+        in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A duplicate's wait: for this process's holder of the key to publish
+    /// its outcome, or — when the holder runs elsewhere (another instance)
+    /// — a poll interval. `Some` is the outcome to replay; `None` means
+    /// claim again.
+    async fn wait_turn(
+        &self,
+        ticket: &Ticket,
+        until: Instant,
+        pause: &mut Duration,
+    ) -> Option<StoredResponse> {
+        let Some(mut outcome) = self.holders.subscribe(&ticket.key, &ticket.fingerprint) else {
+            // No holder here: it runs on another instance (or has just
+            // finished). Poll the claim, backing off.
+            tokio::time::sleep((*pause).min(until.saturating_duration_since(Instant::now()))).await;
+            *pause = (*pause * 2).min(WAIT_POLL_MAX);
+            return None;
+        };
+        let published = outcome.wait_for(|o| o.is_some());
+        let safety = (Instant::now() + WAIT_SAFETY_POLL).min(until);
+        match tokio::time::timeout_at(safety.into(), published).await {
+            Ok(Ok(seen)) => match &*seen {
+                Some(Published::Stored(stored)) => Some(stored.clone()),
+                _ => None,
+            },
+            // The holder is gone (its task ended) or the safety poll is due.
+            Ok(Err(_)) | Err(_) => None,
         }
     }
 
@@ -209,126 +378,6 @@ impl Engine {
                 .logged(P::LAYER, "expired token, no stored outcome")
                 .into_response(),
             Err(e) => self.refuse::<P>(e.into(), Some(key)),
-        }
-    }
-
-    async fn forward<S, P>(
-        &self,
-        policy: &P,
-        inner: S,
-        mut parts: Parts,
-        body: Bytes,
-        claim: Claimed<'_>,
-    ) -> Response<Body>
-    where
-        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
-        S::Future: Send,
-        P: Policy,
-    {
-        let Claimed {
-            key,
-            fingerprint,
-            epoch,
-            request_id,
-        } = claim;
-        policy.strip(&mut parts.headers);
-        parts.headers.insert(IDEMPOTENCY_KEY, stable_key(key));
-        let request = Request::from_parts(parts, Body::from(body));
-
-        self.metrics
-            .claims_in_flight
-            .fetch_add(1, Ordering::Relaxed);
-        let response = self
-            .with_renewal(key, epoch, forward_plain(inner, request))
-            .await;
-        self.metrics
-            .claims_in_flight
-            .fetch_sub(1, Ordering::Relaxed);
-
-        match response.extensions().get::<ForwardFailure>() {
-            Some(ForwardFailure::NotSent) => {
-                self.settle(key, epoch, Settle::Release, P::LAYER).await;
-                return response;
-            }
-            Some(ForwardFailure::Uncertain) => {
-                self.settle(key, epoch, Settle::Uncertain, P::LAYER).await;
-                return response;
-            }
-            None => {}
-        }
-        if !is_stored(response.status()) {
-            self.settle(key, epoch, Settle::Release, P::LAYER).await;
-            return response;
-        }
-        let (parts, body) = response.into_parts();
-        let (kept, client_body) = match capture(body, self.settings.max_stored_body_bytes).await {
-            Captured::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
-            Captured::TooLarge(prefix, rest) => (None, chain(prefix, rest)),
-            Captured::Broken(cause) => {
-                // The upstream answered the head, then broke: it executed,
-                // but the client never got the outcome.
-                self.settle(key, epoch, Settle::Uncertain, P::LAYER).await;
-                return Problem::new(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-broken",
-                    "The upstream connection failed before a complete answer",
-                )
-                .logged(P::LAYER, format!("response body cut: {cause}"))
-                .into_response();
-            }
-        };
-        let stored = StoredResponse {
-            status: parts.status.as_u16(),
-            headers: storable_headers(&parts.headers),
-            body_kept: kept.is_some(),
-            body: kept.unwrap_or_default(),
-            request_id: request_id.to_owned(),
-        };
-        match self.store.complete(key, epoch, fingerprint, &stored).await {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                route = %key.route, key = %key.escaped(), layer = P::LAYER, epoch,
-                "completion refused: the claim was taken over while this request ran"
-            ),
-            Err(e) => tracing::error!(
-                route = %key.route, key = %key.escaped(), layer = P::LAYER, error = %e,
-                "outcome not recorded; a retry after the lease will be forwarded with the same key"
-            ),
-        }
-        Response::from_parts(parts, client_body)
-    }
-
-    /// Drives `forward`, renewing the lease every third of its length.
-    async fn with_renewal(
-        &self,
-        key: &RecordKey,
-        epoch: i64,
-        forward: impl std::future::Future<Output = Response<Body>>,
-    ) -> Response<Body> {
-        let every = self.store.settings().lease / 3;
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        tokio::pin!(forward);
-        loop {
-            tokio::select! {
-                response = &mut forward => return response,
-                _ = ticker.tick() => {
-                    if let Ok(false) = self.store.renew(key, epoch).await {
-                        tracing::warn!(route = %key.route, key = %key.escaped(), epoch, layer = "engine", "lease lost while the request ran");
-                    }
-                }
-            }
-        }
-    }
-
-    async fn settle(&self, key: &RecordKey, epoch: i64, how: Settle, layer: &'static str) {
-        let result = match how {
-            Settle::Release => self.store.release(key, epoch).await,
-            Settle::Uncertain => self.store.mark_uncertain(key, epoch).await,
-        };
-        if let Err(e) = result {
-            // The claim stays in flight until its lease runs out; retries
-            // get 409 meanwhile, never a second execution.
-            tracing::error!(route = %key.route, key = %key.escaped(), layer, error = %e, ?how, "could not settle the claim");
         }
     }
 
@@ -354,21 +403,27 @@ impl Engine {
     }
 }
 
-/// A won claim, as the forward needs it.
-struct Claimed<'a> {
-    key: &'a RecordKey,
-    fingerprint: &'a str,
-    epoch: i64,
-    request_id: &'a str,
+/// What identifies one request's claim.
+struct Ticket {
+    key: RecordKey,
+    fingerprint: String,
+    request_id: String,
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Settle {
-    Release,
-    Uncertain,
+/// What one claim attempt tells the waiting client.
+enum Attempt {
+    /// The answer: a replay, a refusal, or the holder's response.
+    Answered(Response<Body>),
+    /// Another request holds the key; the request comes back for the next
+    /// attempt.
+    InFlight {
+        retry_after: Duration,
+        parts: Parts,
+        bytes: Bytes,
+    },
 }
 
-async fn forward_plain<S>(inner: S, request: Request<Body>) -> Response<Body>
+pub(super) async fn forward_plain<S>(inner: S, request: Request<Body>) -> Response<Body>
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
     S::Future: Send,
@@ -388,21 +443,54 @@ pub fn is_stored(status: StatusCode) -> bool {
 }
 
 /// The key forwarded upstream: the same on every retry of one request and
-/// different for different clients, routes and keys.
-pub fn stable_key(key: &RecordKey) -> HeaderValue {
+/// different for different clients, routes and keys. It is `ig-` and 40
+/// lowercase hex digits by construction, so it is always a valid header
+/// value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StableKey(String);
+
+impl StableKey {
+    /// As the `Idempotency-Key` header sent upstream.
+    pub fn into_header(self) -> HeaderValue {
+        HeaderValue::try_from(self.0).expect("ig- and hex digits are visible ASCII")
+    }
+
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The stable key of a record.
+pub fn stable_key(key: &RecordKey) -> StableKey {
     let mut hash = Sha256::new();
     hash.update(b"idemgate/forwarded-key/v1\0");
     for part in [&key.scope, &key.route, &key.key] {
         hash.update((part.len() as u64).to_be_bytes());
         hash.update(part.as_bytes());
     }
-    let text = format!("ig-{}", hex::encode(&hash.finalize()[..20]));
-    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static("ig-invalid"))
+    StableKey(format!("ig-{}", hex::encode(&hash.finalize()[..20])))
 }
 
+/// Headers that describe a body; a replay without its body must not carry
+/// them (SPEC §4 Always).
+const BODY_HEADERS: [&str; 7] = [
+    "content-encoding",
+    "content-md5",
+    "etag",
+    "digest",
+    "content-digest",
+    "repr-digest",
+    "content-range",
+];
+
 /// Headers kept for replay: end-to-end ones, minus `Set-Cookie` (a session
-/// must never be handed to whoever replays) and those the replay sets.
-fn storable_headers(headers: &http::HeaderMap) -> Vec<(String, Vec<u8>)> {
+/// must never be handed to whoever replays) and those the replay sets; when
+/// the body is not kept, minus those that describe it.
+pub(super) fn storable_headers(
+    headers: &http::HeaderMap,
+    body_kept: bool,
+) -> Vec<(String, Vec<u8>)> {
     headers
         .iter()
         .filter(|(name, _)| {
@@ -410,6 +498,7 @@ fn storable_headers(headers: &http::HeaderMap) -> Vec<(String, Vec<u8>)> {
                 && *name != header::SET_COOKIE
                 && *name != header::CONTENT_LENGTH
                 && *name != X_REQUEST_ID
+                && (body_kept || !BODY_HEADERS.contains(&name.as_str()))
         })
         .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
         .collect()

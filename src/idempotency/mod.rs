@@ -12,14 +12,17 @@
 //! - 400 (bad or missing key), 413 (body too large): [`layer`], before any
 //!   store access; nothing is forwarded or stored.
 //! - 409 / wait, 422, replay, 503: [`engine`], from the store's claim answer.
-//! - release, uncertain, completion: [`engine`], from the forward's outcome.
+//! - release, uncertain, completion: [`holder`], from the forward's outcome,
+//!   in a task of its own that the client cannot cancel.
 
 pub mod body;
 pub mod engine;
+pub mod holder;
 pub mod key;
 pub mod layer;
 
 pub use engine::{Engine, EngineSettings, IdempotencyError};
+pub use holder::Holders;
 pub use key::KeyPolicy;
 pub use layer::{Head, IdempotencyLayer, Policy};
 

@@ -2,35 +2,60 @@
 //!
 //! A claim must be durable before its request is forwarded, and a
 //! completion before its client is answered — but neither has to commit
-//! alone. Jobs queue on a channel and a dispatcher hands whatever has queued
-//! to the next free writer. There is no timer and no added wait: at low load
-//! every batch holds one job and runs at once; under load, jobs that arrive
-//! while the writers are busy share the next statement and its commit (the
-//! same idea as a database's group commit, one level up). Every caller gets
-//! its own answer only after the commit that made its write durable.
+//! alone. Jobs queue on a bounded channel and a dispatcher hands whatever
+//! has queued to the next free writer. There is no timer and no added wait:
+//! at low load every batch holds one job and runs at once; under load, jobs
+//! that arrive while the writer is busy share the next statement and its
+//! commit (the same idea as a database's group commit, one level up). Every
+//! caller gets its own answer only after the commit that made its write
+//! durable.
+//!
+//! Every wait here is bounded by `store.timeout`, queueing included: a
+//! caller that cannot be served in time gets [`StoreError::Timeout`], and
+//! its job is dropped before it is written (a claim written after its
+//! client was told 503 would hold the key for nothing). The queue is
+//! bounded, so a hung database costs each waiter its timeout, not memory
+//! that grows with the backlog. A job whose caller stopped waiting while its
+//! batch was already being written may still commit: the batcher hands such
+//! a job and its answer to an `orphaned` hook (a won claim nobody will
+//! forward is released there). A batch that fails (other than by timing
+//! out) is retried member by member, so one bad member (a key the database
+//! refuses) never fails the others.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
 
 use super::StoreError;
 
 /// Jobs written together at most.
 pub const MAX_BATCH: usize = 256;
+/// Jobs waiting per batcher at most; a submit past it waits for room
+/// (within its deadline).
+pub const QUEUE_CAPACITY: usize = 4 * MAX_BATCH;
 /// Batches in flight at once per batcher (each holds one pooled connection).
-/// Few writers make big batches, and Postgres spends its CPU per statement:
-/// measured on 2 cores, one writer per batcher (per worker thread) served
-/// more first requests than two (0.59× vs 0.56× the pgbench ceiling, three
-/// rounds each in one session), and two served 20% more than four.
+/// Few writers make big batches, and Postgres spends its CPU per statement
+/// (`loadtest/README.md` has the measurements).
 pub const WRITERS: usize = 1;
 
 type Reply<R> = oneshot::Sender<Result<R, StoreError>>;
 
+/// One queued job: what to write, whom to answer, and until when the
+/// answer is still wanted.
+struct Job<J, R> {
+    job: J,
+    reply: Reply<R>,
+    deadline: Instant,
+}
+
 /// A queue of jobs `J` answered with `R`.
 pub struct Batcher<J, R> {
-    queue: mpsc::UnboundedSender<(J, Reply<R>)>,
+    queue: mpsc::Sender<Job<J, R>>,
     op: &'static str,
+    timeout: Duration,
 }
 
 impl<J, R> Clone for Batcher<J, R> {
@@ -38,21 +63,25 @@ impl<J, R> Clone for Batcher<J, R> {
         Batcher {
             queue: self.queue.clone(),
             op: self.op,
+            timeout: self.timeout,
         }
     }
 }
 
 impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
-    /// Starts a dispatcher; `write` runs one batch and answers each job, in
-    /// order.
-    pub fn spawn<W, F>(op: &'static str, write: W) -> Self
+    /// Starts a dispatcher; `write` runs one batch, hands the jobs back and
+    /// answers each, in order. `timeout` bounds every submit; `orphaned`
+    /// gets each job written after its caller stopped waiting.
+    pub fn spawn<W, F, O>(op: &'static str, timeout: Duration, write: W, orphaned: O) -> Self
     where
         W: Fn(Vec<J>) -> F + Send + Sync + 'static,
-        F: Future<Output = Result<Vec<R>, StoreError>> + Send + 'static,
+        F: Future<Output = (Vec<J>, Result<Vec<R>, StoreError>)> + Send + 'static,
+        O: Fn(J, R) + Send + Sync + 'static,
     {
-        let (queue, mut jobs) = mpsc::unbounded_channel::<(J, Reply<R>)>();
+        let (queue, mut jobs) = mpsc::channel::<Job<J, R>>(QUEUE_CAPACITY);
         let writers = Arc::new(Semaphore::new(WRITERS));
         let write = Arc::new(write);
+        let orphaned = Arc::new(orphaned);
         tokio::spawn(async move {
             while let Some(first) = jobs.recv().await {
                 // Wait for a free writer first: jobs that arrive meanwhile
@@ -60,47 +89,231 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
                 let Ok(writer) = writers.clone().acquire_owned().await else {
                     return;
                 };
-                let mut batch = vec![first];
-                while batch.len() < MAX_BATCH {
-                    match jobs.try_recv() {
-                        Ok(job) => batch.push(job),
-                        Err(_) => break,
+                let mut batch = Vec::with_capacity(8);
+                let mut next = Some(first);
+                while let Some(job) = next.take() {
+                    if let Some(job) = still_wanted(job, op, timeout) {
+                        batch.push(job);
+                    }
+                    if batch.len() < MAX_BATCH {
+                        next = jobs.try_recv().ok();
                     }
                 }
-                let write = write.clone();
+                if batch.is_empty() {
+                    continue;
+                }
+                let (write, orphaned) = (write.clone(), orphaned.clone());
                 tokio::spawn(async move {
-                    let (jobs, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
-                    match write(jobs).await {
-                        Ok(answers) => {
-                            for (reply, answer) in replies.into_iter().zip(answers) {
-                                let _ = reply.send(Ok(answer));
-                            }
-                        }
-                        Err(e) => {
-                            let cause = e.to_string();
-                            for reply in replies {
-                                let _ = reply.send(Err(StoreError::Unavailable {
-                                    op,
-                                    cause: cause.clone(),
-                                }));
-                            }
-                        }
-                    }
+                    run_batch(&*write, &*orphaned, batch, op).await;
                     drop(writer);
                 });
             }
         });
-        Batcher { queue, op }
+        Batcher { queue, op, timeout }
     }
 
-    /// Submits one job; resolves after its batch committed.
+    /// Submits one job; resolves after its batch committed, or with
+    /// [`StoreError::Timeout`] once `store.timeout` has passed (queueing
+    /// included).
     pub async fn submit(&self, job: J) -> Result<R, StoreError> {
+        let deadline = Instant::now() + self.timeout;
         let stopped = || StoreError::Unavailable {
             op: self.op,
             cause: "the batch writer stopped".into(),
         };
         let (reply, answer) = oneshot::channel();
-        self.queue.send((job, reply)).map_err(|_| stopped())?;
-        answer.await.unwrap_or_else(|_| Err(stopped()))
+        let work = async {
+            self.queue
+                .send(Job {
+                    job,
+                    reply,
+                    deadline,
+                })
+                .await
+                .map_err(|_| stopped())?;
+            answer.await.unwrap_or_else(|_| Err(stopped()))
+        };
+        match tokio::time::timeout_at(deadline, work).await {
+            Ok(answer) => answer,
+            Err(_) => Err(StoreError::Timeout {
+                op: self.op,
+                after: self.timeout,
+            }),
+        }
+    }
+}
+
+/// The job, unless its caller has stopped waiting (deadline passed, or the
+/// caller is gone): such a job is answered and dropped unwritten.
+fn still_wanted<J, R>(job: Job<J, R>, op: &'static str, after: Duration) -> Option<Job<J, R>> {
+    if job.reply.is_closed() {
+        return None;
+    }
+    if Instant::now() >= job.deadline {
+        let _ = job.reply.send(Err(StoreError::Timeout { op, after }));
+        return None;
+    }
+    Some(job)
+}
+
+/// Writes one batch; if it fails as a whole (but not by timing out: a hung
+/// database fails every member alike), writes each member still wanted
+/// alone, so that only the members that fail by themselves get the error.
+async fn run_batch<J, R, W, F, O>(write: &W, orphaned: &O, batch: Vec<Job<J, R>>, op: &'static str)
+where
+    W: Fn(Vec<J>) -> F,
+    F: Future<Output = (Vec<J>, Result<Vec<R>, StoreError>)>,
+    O: Fn(J, R),
+{
+    let mut jobs = Vec::with_capacity(batch.len());
+    let mut waiting = Vec::with_capacity(batch.len());
+    for Job {
+        job,
+        reply,
+        deadline,
+    } in batch
+    {
+        jobs.push(job);
+        waiting.push((reply, deadline));
+    }
+    let single = jobs.len() == 1;
+    let (jobs, result) = write(jobs).await;
+    match result {
+        Ok(answers) => {
+            for ((job, (reply, _)), answer) in jobs.into_iter().zip(waiting).zip(answers) {
+                answer_or_orphan(reply, job, answer, orphaned);
+            }
+        }
+        Err(e) if single || matches!(e, StoreError::Timeout { .. }) => {
+            let cause = e.to_string();
+            for (reply, _) in waiting {
+                let _ = reply.send(Err(StoreError::Unavailable {
+                    op,
+                    cause: cause.clone(),
+                }));
+            }
+        }
+        Err(e) => {
+            tracing::warn!(op, jobs = jobs.len(), error = %e, layer = "store", "batch failed; writing its members one by one");
+            for (job, (reply, deadline)) in jobs.into_iter().zip(waiting) {
+                if reply.is_closed() || Instant::now() >= deadline {
+                    continue;
+                }
+                let (mut job, answer) = write(vec![job]).await;
+                match answer.map(|mut answers| answers.pop()) {
+                    Ok(Some(answer)) => match job.pop() {
+                        Some(job) => answer_or_orphan(reply, job, answer, orphaned),
+                        None => drop(reply.send(Ok(answer))),
+                    },
+                    Ok(None) => drop(reply.send(Err(StoreError::Unavailable {
+                        op,
+                        cause: "the batch statement answered nothing".into(),
+                    }))),
+                    Err(e) => drop(reply.send(Err(e))),
+                }
+            }
+        }
+    }
+}
+
+/// Answers the caller, or — when it stopped waiting — hands the committed
+/// job to the orphan hook.
+fn answer_or_orphan<J, R>(reply: Reply<R>, job: J, answer: R, orphaned: &impl Fn(J, R)) {
+    if let Err(Ok(answer)) = reply.send(Ok(answer)) {
+        orphaned(job, answer);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_batch_fails_only_its_bad_member() {
+        // Odd jobs are "bad": any batch containing one fails as a whole.
+        let batches = Arc::new(AtomicUsize::new(0));
+        let seen = batches.clone();
+        let batcher = Batcher::spawn(
+            "test",
+            Duration::from_secs(2),
+            move |jobs: Vec<u32>| {
+                seen.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    let result = if jobs.iter().any(|j| j % 2 == 1) {
+                        Err(StoreError::Unavailable {
+                            op: "test",
+                            cause: "bad member".into(),
+                        })
+                    } else {
+                        Ok(jobs.iter().map(|j| j * 10).collect())
+                    };
+                    (jobs, result)
+                }
+            },
+            |_, _| {},
+        );
+        let answers = futures_util::future::join_all((0..6u32).map(|i| {
+            let b = batcher.clone();
+            async move { b.submit(i).await }
+        }))
+        .await;
+        for (i, answer) in answers.iter().enumerate() {
+            match answer {
+                Ok(v) => assert!(i % 2 == 0 && *v == i as u32 * 10, "job {i}: {v}"),
+                Err(_) => assert_eq!(i % 2, 1, "good job {i} failed with the bad ones"),
+            }
+        }
+        assert!(batches.load(Ordering::SeqCst) > 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_writer_answers_every_waiter_within_the_timeout_and_drops_late_jobs() {
+        let written = Arc::new(AtomicUsize::new(0));
+        let count = written.clone();
+        let orphans = Arc::new(AtomicUsize::new(0));
+        let orphaned = orphans.clone();
+        let batcher = Batcher::spawn(
+            "test",
+            Duration::from_secs(2),
+            move |jobs: Vec<u32>| {
+                let count = count.clone();
+                async move {
+                    // The first batch hangs for 10 s (a locked database).
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let n = jobs.len();
+                    (jobs, Ok(vec![true; n]))
+                }
+            },
+            move |_, _| {
+                orphaned.fetch_add(1, Ordering::SeqCst);
+            },
+        );
+        let started = Instant::now();
+        let answers = futures_util::future::join_all((0..500u32).map(|i| {
+            let b = batcher.clone();
+            async move { b.submit(i).await }
+        }))
+        .await;
+        for answer in &answers {
+            assert!(
+                matches!(answer, Err(StoreError::Timeout { .. })),
+                "{answer:?}"
+            );
+        }
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        // Let the hung batch finish: the jobs queued behind it are past
+        // their deadline and are never written.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(
+            written.load(Ordering::SeqCst),
+            1,
+            "only the first batch was written"
+        );
+        // Its members committed after their callers gave up: each is handed
+        // to the orphan hook (a won claim is released there).
+        assert!(orphans.load(Ordering::SeqCst) >= 1);
     }
 }

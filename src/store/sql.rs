@@ -66,6 +66,14 @@ pub struct SqlStore {
     hold_batch_connections: bool,
 }
 
+/// How long the database itself may work on one statement: less than
+/// `store.timeout`, so that the database gives up (and rolls back) before
+/// the gateway does. A statement the gateway stopped waiting for must not
+/// commit behind its back.
+fn server_side_bound(timeout: Duration) -> Duration {
+    timeout * 4 / 5
+}
+
 /// A pooled Postgres connection idle longer than this is pinged before use
 /// (one that died meanwhile is replaced instead of failing a batch).
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
@@ -183,7 +191,7 @@ impl SqlStore {
                 // FULL: a claim must survive power loss, or a retry after
                 // the crash could execute the request a second time.
                 .synchronous(SqliteSynchronous::Full)
-                .busy_timeout(settings.timeout);
+                .busy_timeout(server_side_bound(settings.timeout));
             if let Some(dir) = options.get_filename().parent()
                 && !dir.as_os_str().is_empty()
             {
@@ -202,7 +210,7 @@ impl SqlStore {
                 .map_err(unavailable)?;
             Pool::Sqlite(pool)
         } else {
-            let statement_timeout = settings.timeout.as_millis().to_string();
+            let statement_timeout = server_side_bound(settings.timeout).as_millis().to_string();
             let options = PgConnectOptions::from_str(&settings.url)
                 .map_err(unavailable)?
                 // The server abandons a query the gateway has given up on,
@@ -251,6 +259,11 @@ impl SqlStore {
             Pool::Sqlite(pool) => sqlx::migrate!("./migrations/sqlite").run(pool).await,
         };
         result.map_err(|e| StoreError::Migrate(e.to_string()))
+    }
+
+    /// The bound on every operation (`store.timeout`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// `postgres` or `sqlite`.

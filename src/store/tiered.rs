@@ -62,20 +62,50 @@ impl Store {
     ) -> Self {
         Store {
             claims: {
-                let sql = sql.clone();
+                let (writer, releaser) = (sql.clone(), sql.clone());
                 let held = Arc::new(HeldConnection::default());
-                Batcher::spawn("claim", move |batch: Vec<NewClaim>| {
-                    let (sql, held) = (sql.clone(), held.clone());
-                    async move { sql.insert_claims(&batch, &held).await }
-                })
+                Batcher::spawn(
+                    "claim",
+                    sql.timeout(),
+                    move |batch: Vec<NewClaim>| {
+                        let (sql, held) = (writer.clone(), held.clone());
+                        async move {
+                            let result = sql.insert_claims(&batch, &held).await;
+                            (batch, result)
+                        }
+                    },
+                    {
+                        // Won after its caller was told 503: nobody will
+                        // forward it, so the key is given back at once rather
+                        // than held until its lease.
+                        move |claim: NewClaim, won: bool| {
+                            if won {
+                                let sql = releaser.clone();
+                                tokio::spawn(async move {
+                                    let released = sql.release(&claim.key, 1, now_ms()).await;
+                                    tracing::info!(route = %claim.key.route, key = %claim.key.escaped(), layer = "store", ?released, "claim committed after its caller gave up; released");
+                                });
+                            }
+                        }
+                    },
+                )
             },
             completions: {
                 let sql = sql.clone();
                 let held = Arc::new(HeldConnection::default());
-                Batcher::spawn("complete", move |batch: Vec<Completion>| {
-                    let (sql, held) = (sql.clone(), held.clone());
-                    async move { sql.complete_many(&batch, &held).await }
-                })
+                Batcher::spawn(
+                    "complete",
+                    sql.timeout(),
+                    move |batch: Vec<Completion>| {
+                        let (sql, held) = (sql.clone(), held.clone());
+                        async move {
+                            let result = sql.complete_many(&batch, &held).await;
+                            (batch, result)
+                        }
+                    },
+                    // A holder whose write timed out checks whether it landed.
+                    |_, _| {},
+                )
             },
             sql,
             fast,

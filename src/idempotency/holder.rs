@@ -1,0 +1,702 @@
+//! The life of a won claim, owned by the gateway: claimed → forwarded →
+//! response in hand → recorded.
+//!
+//! A claim must not belong to the client's connection (SPEC §1 rule 6).
+//! hyper drops a request's future when its client hangs up; if that future
+//! held the claim, the forward would be cancelled mid-flight and the outcome
+//! never recorded, and the client's retry after the lease would execute the
+//! action a second time — the seed incident. So a won claim is handed to a
+//! [`Holder`] that runs in a task of its own: it forwards, receives the whole
+//! response (bounded by the upstream's timeout), renews the lease in a
+//! second task for as long as it lives, answers the client as soon as it has
+//! the answer, and then retries the record write until it is durable. The
+//! client only awaits that answer; whether it stays or goes changes nothing.
+//!
+//! [`Holders`] is the process-wide list of live holders. Waiting duplicates
+//! (`on_concurrent = "wait"`) subscribe to a holder's outcome instead of
+//! polling the store, and a graceful shutdown waits for the list to empty.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{Request, Response, StatusCode};
+use tokio::sync::{Notify, watch};
+use tower::Service;
+
+use super::body::{Captured, capture, chain};
+use crate::error::Problem;
+use crate::proxy::ForwardFailure;
+use crate::store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
+
+/// Record writes after the first that a holder tries before it gives up
+/// (the record is then taken over after its lease, like a dead holder's).
+pub const WRITE_RETRIES: u32 = 20;
+/// Pause before the first retry of a failed record write; it doubles.
+pub const WRITE_BACKOFF_START: Duration = Duration::from_millis(100);
+/// Longest pause between two tries of a record write.
+pub const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Pause before a failed renewal is tried again (a renewal that fails must
+/// not wait a third of the lease: the lease may be about to end).
+pub const RENEW_RETRY: Duration = Duration::from_millis(250);
+
+/// Where a holder stands; logged when a shutdown leaves it unfinished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The claim is durable; nothing was sent yet.
+    Claimed,
+    /// The request is at the upstream.
+    Forwarded,
+    /// The whole answer is here; its record is being written.
+    ResponseInHand,
+    /// The record is durable (or was refused by the fence, or given up).
+    Recorded,
+}
+
+/// What the outcome means for the record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Write {
+    /// The upstream acted: store this and replay it from now on.
+    Complete(StoredResponse),
+    /// Nothing happened upstream: the key is free again.
+    Release,
+    /// The request may have reached the upstream and no answer came back.
+    Uncertain,
+}
+
+/// What a waiting duplicate learns from the holder.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// Replay this.
+    Stored(StoredResponse),
+    /// The claim was released or became uncertain: claim again.
+    Retry,
+}
+
+/// The record writes a holder makes: the store in the gateway, a scripted
+/// double in unit tests.
+pub trait Ledger: Clone + Send + Sync + 'static {
+    /// The store's lease.
+    fn lease(&self) -> Duration;
+    /// Extends the lease; false when the claim was taken over.
+    fn renew(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Writes the outcome; false when the fence refused it.
+    fn write(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        fingerprint: &str,
+        write: &Write,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Whether `epoch` already left `in_flight` (an earlier try that timed
+    /// out may still have committed).
+    fn settled(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+impl Ledger for Store {
+    fn lease(&self) -> Duration {
+        self.settings().lease
+    }
+
+    async fn renew(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        Store::renew(self, key, epoch).await
+    }
+
+    async fn write(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        fingerprint: &str,
+        write: &Write,
+    ) -> Result<bool, StoreError> {
+        match write {
+            Write::Complete(stored) => self.complete(key, epoch, fingerprint, stored).await,
+            Write::Release => self.release(key, epoch).await,
+            Write::Uncertain => self.mark_uncertain(key, epoch).await,
+        }
+    }
+
+    async fn settled(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        Ok(self
+            .get(key)
+            .await?
+            .is_some_and(|r| r.epoch == epoch && r.state != RecordState::InFlight))
+    }
+}
+
+/// Every live holder of this process, by record key.
+#[derive(Default)]
+pub struct Holders {
+    live: Mutex<HashMap<RecordKey, Live>>,
+    emptied: Notify,
+}
+
+struct Live {
+    epoch: i64,
+    fingerprint: String,
+    stage: Stage,
+    outcome: watch::Sender<Option<Outcome>>,
+}
+
+impl Holders {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RecordKey, Live>> {
+        // Every critical section is a map operation: a panic cannot leave
+        // the map half-changed.
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn register(&self, key: &RecordKey, epoch: i64, fingerprint: &str) {
+        let (outcome, _) = watch::channel(None);
+        self.lock().insert(
+            key.clone(),
+            Live {
+                epoch,
+                fingerprint: fingerprint.to_owned(),
+                stage: Stage::Claimed,
+                outcome,
+            },
+        );
+    }
+
+    fn set_stage(&self, key: &RecordKey, epoch: i64, stage: Stage) {
+        if let Some(live) = self.lock().get_mut(key).filter(|l| l.epoch == epoch) {
+            live.stage = stage;
+        }
+    }
+
+    fn publish(&self, key: &RecordKey, epoch: i64, outcome: Outcome) {
+        if let Some(live) = self.lock().get(key).filter(|l| l.epoch == epoch) {
+            live.outcome.send_replace(Some(outcome));
+        }
+    }
+
+    fn remove(&self, key: &RecordKey, epoch: i64) {
+        let mut live = self.lock();
+        if live.get(key).is_some_and(|l| l.epoch == epoch) {
+            live.remove(key);
+        }
+        if live.is_empty() {
+            self.emptied.notify_waiters();
+        }
+    }
+
+    /// The outcome of this process's holder of `key`, if one is running
+    /// for the same request (same fingerprint).
+    pub fn subscribe(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+    ) -> Option<watch::Receiver<Option<Outcome>>> {
+        self.lock()
+            .get(key)
+            .filter(|l| l.fingerprint == fingerprint)
+            .map(|l| l.outcome.subscribe())
+    }
+
+    /// How many holders are running.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether none is running.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Waits until every holder has finished, at most `within`; logs those
+    /// left (their records are taken over after their lease).
+    pub async fn drain(&self, within: Duration) {
+        let wait = async {
+            loop {
+                let emptied = self.emptied.notified();
+                if self.is_empty() {
+                    return;
+                }
+                emptied.await;
+            }
+        };
+        if tokio::time::timeout(within, wait).await.is_err() {
+            for (key, live) in self.lock().iter() {
+                tracing::warn!(
+                    route = %key.route, key = %key.escaped(), epoch = live.epoch,
+                    stage = ?live.stage, layer = "holder",
+                    "shutdown grace over with this claim unfinished; it is taken over after its lease"
+                );
+            }
+        }
+    }
+}
+
+/// One won claim and what it needs to see its request through.
+pub struct Holder<L> {
+    pub ledger: L,
+    pub holders: Arc<Holders>,
+    pub key: RecordKey,
+    pub fingerprint: String,
+    pub epoch: i64,
+    pub request_id: String,
+    /// Bound on receiving the whole response (the upstream's timeout).
+    pub deadline: Duration,
+    /// Larger response bodies are recorded without the body.
+    pub max_stored_body_bytes: usize,
+    /// The policy layer's name, for logs.
+    pub layer: &'static str,
+}
+
+impl<L: Ledger> Holder<L> {
+    /// Sees the claim through: forward, receive, answer (`reply`, as soon
+    /// as the answer is in hand), record. Run it in a task of its own: it
+    /// must not be dropped with a client's connection.
+    pub async fn run<S>(
+        self,
+        inner: S,
+        request: Request<Body>,
+        reply: impl FnOnce(Response<Body>) + Send,
+    ) where
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
+        S::Future: Send,
+    {
+        self.holders
+            .register(&self.key, self.epoch, &self.fingerprint);
+        // Deregisters (waking a shutdown that waits) however the task ends.
+        let _registered = Registered {
+            holders: self.holders.clone(),
+            key: self.key.clone(),
+            epoch: self.epoch,
+        };
+        let _renewal = AbortOnDrop(tokio::spawn(renew(
+            self.ledger.clone(),
+            self.key.clone(),
+            self.epoch,
+        )));
+        self.holders
+            .set_stage(&self.key, self.epoch, Stage::Forwarded);
+        let received = tokio::time::timeout(
+            self.deadline,
+            receive(inner, request, self.max_stored_body_bytes, &self.request_id),
+        )
+        .await;
+        let (write, response) = received.unwrap_or_else(|_| {
+            let problem = Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream-timeout",
+                "The upstream did not answer in time",
+            )
+            .logged(
+                self.layer,
+                format!(
+                    "key {}: whole response not received within {:?}",
+                    self.key.escaped(),
+                    self.deadline
+                ),
+            );
+            (Write::Uncertain, problem.into_response())
+        });
+        self.holders
+            .set_stage(&self.key, self.epoch, Stage::ResponseInHand);
+        if let Write::Complete(stored) = &write {
+            // Waiters replay the outcome the moment it exists.
+            self.holders
+                .publish(&self.key, self.epoch, Outcome::Stored(stored.clone()));
+        }
+        // The first write before the answer, so that a client who retries
+        // right after its answer finds the outcome recorded.
+        let first = self.write_once(&write).await;
+        reply(response);
+        if first.is_err() {
+            self.write_until_durable(&write).await;
+        }
+        self.holders
+            .set_stage(&self.key, self.epoch, Stage::Recorded);
+        if !matches!(write, Write::Complete(_)) {
+            self.holders.publish(&self.key, self.epoch, Outcome::Retry);
+        }
+    }
+
+    /// One try; `Err` when it should be tried again.
+    async fn write_once(&self, write: &Write) -> Result<(), StoreError> {
+        match self
+            .ledger
+            .write(&self.key, self.epoch, &self.fingerprint, write)
+            .await
+        {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                tracing::warn!(
+                    route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
+                    epoch = self.epoch, "outcome refused: the claim was taken over while this request ran"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(
+                    route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
+                    epoch = self.epoch, error = %e, "recording the outcome failed; retrying while the claim is held"
+                );
+                Err(e)
+            }
+        }
+    }
+
+    async fn write_until_durable(&self, write: &Write) {
+        let mut pause = WRITE_BACKOFF_START;
+        for attempt in 1..=WRITE_RETRIES {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(WRITE_BACKOFF_MAX);
+            // A try that timed out may have committed all the same.
+            if let Ok(true) = self.ledger.settled(&self.key, self.epoch).await {
+                return;
+            }
+            if self.write_once(write).await.is_ok() {
+                tracing::info!(
+                    route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
+                    epoch = self.epoch, attempt, "outcome recorded after retrying"
+                );
+                return;
+            }
+        }
+        tracing::error!(
+            route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
+            epoch = self.epoch, tries = WRITE_RETRIES + 1,
+            "outcome not recorded; the record is taken over after its lease and the retry forwarded with the same key"
+        );
+    }
+}
+
+/// Forwards and reads the whole answer: what it means for the record, and
+/// the client's response.
+async fn receive<S>(
+    inner: S,
+    request: Request<Body>,
+    cap: usize,
+    request_id: &str,
+) -> (Write, Response<Body>)
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
+    S::Future: Send,
+{
+    let response = super::engine::forward_plain(inner, request).await;
+    match response.extensions().get::<ForwardFailure>() {
+        Some(ForwardFailure::NotSent) => return (Write::Release, response),
+        Some(ForwardFailure::Uncertain) => return (Write::Uncertain, response),
+        None => {}
+    }
+    if !super::engine::is_stored(response.status()) {
+        return (Write::Release, response);
+    }
+    let (parts, body) = response.into_parts();
+    let (kept, client_body) = match capture(body, cap).await {
+        Captured::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
+        Captured::TooLarge(prefix, rest) => (None, chain(prefix, rest)),
+        Captured::Broken(cause) => {
+            // The upstream answered the head, then broke: it executed, but
+            // the outcome never arrived whole.
+            let problem = Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream-broken",
+                "The upstream connection failed before a complete answer",
+            )
+            .logged("holder", format!("response body cut: {cause}"));
+            return (Write::Uncertain, problem.into_response());
+        }
+    };
+    let stored = StoredResponse {
+        status: parts.status.as_u16(),
+        headers: super::engine::storable_headers(&parts.headers, kept.is_some()),
+        body_kept: kept.is_some(),
+        body: kept.unwrap_or_default(),
+        request_id: request_id.to_owned(),
+    };
+    (
+        Write::Complete(stored),
+        Response::from_parts(parts, client_body),
+    )
+}
+
+/// Renews the lease every third of its length until aborted, or until the
+/// claim turns out to be taken over.
+async fn renew<L: Ledger>(ledger: L, key: RecordKey, epoch: i64) {
+    let every = ledger.lease() / 3;
+    let mut pause = every;
+    loop {
+        tokio::time::sleep(pause).await;
+        match ledger.renew(&key, epoch).await {
+            Ok(true) => pause = every,
+            Ok(false) => {
+                tracing::warn!(route = %key.route, key = %key.escaped(), epoch, layer = "holder", "lease lost while the claim was held");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(route = %key.route, key = %key.escaped(), epoch, layer = "holder", error = %e, "renewing the lease failed; trying again");
+                pause = RENEW_RETRY.min(every);
+            }
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+struct Registered {
+    holders: Arc<Holders>,
+    key: RecordKey,
+    epoch: i64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.holders.remove(&self.key, self.epoch);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use bytes::Bytes;
+    use futures_util::StreamExt;
+    use tokio::time::Instant;
+
+    /// The record writes a holder made, with scripted failures.
+    #[derive(Clone, Default)]
+    struct Script {
+        renewals: Arc<Mutex<Vec<Instant>>>,
+        writes: Arc<Mutex<Vec<(Instant, Write)>>>,
+        fail_writes: Arc<AtomicU32>,
+    }
+
+    impl Ledger for Script {
+        fn lease(&self) -> Duration {
+            Duration::from_secs(3)
+        }
+
+        async fn renew(&self, _: &RecordKey, _: i64) -> Result<bool, StoreError> {
+            self.renewals.lock().unwrap().push(Instant::now());
+            Ok(true)
+        }
+
+        async fn write(
+            &self,
+            _: &RecordKey,
+            _: i64,
+            _: &str,
+            write: &Write,
+        ) -> Result<bool, StoreError> {
+            self.writes
+                .lock()
+                .unwrap()
+                .push((Instant::now(), write.clone()));
+            if self
+                .fail_writes
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return Err(StoreError::Timeout {
+                    op: "complete",
+                    after: Duration::from_secs(1),
+                });
+            }
+            Ok(true)
+        }
+
+        async fn settled(&self, _: &RecordKey, _: i64) -> Result<bool, StoreError> {
+            Ok(false)
+        }
+    }
+
+    fn holder(script: &Script, deadline: Duration) -> (Holder<Script>, Arc<Holders>) {
+        let holders = Arc::new(Holders::default());
+        let holder = Holder {
+            ledger: script.clone(),
+            holders: holders.clone(),
+            key: RecordKey::new("scope", "route", "k"),
+            fingerprint: "fp".into(),
+            epoch: 1,
+            request_id: "rid".into(),
+            deadline,
+            max_stored_body_bytes: 1024,
+            layer: "test",
+        };
+        (holder, holders)
+    }
+
+    /// An upstream that answers `status` at once, its body after `stall`.
+    fn upstream(
+        status: u16,
+        stall: Duration,
+    ) -> impl Service<
+        Request<Body>,
+        Response = Response<Body>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Send
+    + 'static {
+        tower::service_fn(move |_req: Request<Body>| async move {
+            let body = futures_util::stream::once(async move {
+                tokio::time::sleep(stall).await;
+                Ok::<_, Infallible>(Bytes::from_static(b"{\"ok\":true}"))
+            });
+            let mut response = Response::new(Body::from_stream(body.boxed()));
+            *response.status_mut() = StatusCode::from_u16(status).unwrap();
+            Ok::<_, Infallible>(response)
+        })
+    }
+
+    async fn run(
+        holder: Holder<Script>,
+        inner: impl Service<
+            Request<Body>,
+            Response = Response<Body>,
+            Error = Infallible,
+            Future = impl Send,
+        > + Send
+        + 'static,
+    ) -> Option<Response<Body>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        holder
+            .run(inner, Request::new(Body::empty()), move |r| {
+                let _ = tx.send(r);
+            })
+            .await;
+        rx.await.ok()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_lease_is_renewed_while_a_slow_body_arrives() {
+        let script = Script::default();
+        let (holder, _) = holder(&script, Duration::from_secs(30));
+        let started = Instant::now();
+        let response = run(holder, upstream(201, Duration::from_secs(7)))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201);
+        // Lease 3 s, renewed every second for the 7 s of body (the one due
+        // at 7 s races the body's end).
+        let renewals = script.renewals.lock().unwrap().clone();
+        assert!(renewals.len() >= 6, "{renewals:?}");
+        for pair in renewals.windows(2) {
+            assert_eq!(pair[1] - pair[0], Duration::from_secs(1));
+        }
+        let writes = script.writes.lock().unwrap().clone();
+        assert_eq!(writes.len(), 1);
+        assert_eq!(writes[0].0 - started, Duration::from_secs(7));
+        assert!(matches!(&writes[0].1, Write::Complete(s) if s.status == 201 && s.body_kept));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_whole_response_is_bounded_by_the_deadline_and_then_uncertain() {
+        let script = Script::default();
+        let (holder, _) = holder(&script, Duration::from_secs(2));
+        let response = run(holder, upstream(201, Duration::from_secs(60)))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::GATEWAY_TIMEOUT);
+        let writes = script.writes.lock().unwrap().clone();
+        assert_eq!(writes.len(), 1);
+        assert_eq!(writes[0].1, Write::Uncertain);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_write_is_retried_while_the_claim_stays_renewed() {
+        let script = Script::default();
+        script.fail_writes.store(4, Ordering::SeqCst);
+        let (holder, holders) = holder(&script, Duration::from_secs(30));
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(holder.run(
+            upstream(201, Duration::ZERO),
+            Request::new(Body::empty()),
+            move |r| {
+                let _ = tx.send(r);
+            },
+        ));
+        // The client has its answer after the first (failed) try.
+        let answer = (&mut rx).await.unwrap();
+        assert_eq!(answer.status(), 201);
+        assert_eq!(holders.len(), 1, "still held while the write is retried");
+        task.await.unwrap();
+        let writes = script.writes.lock().unwrap().clone();
+        assert_eq!(writes.len(), 5, "four failures, then durable");
+        // 100 + 200 + 400 + 800 ms of backoff.
+        assert_eq!(writes[4].0 - writes[0].0, Duration::from_millis(1500));
+        assert!(holders.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_goes_away_changes_nothing() {
+        let script = Script::default();
+        let (holder, holders) = holder(&script, Duration::from_secs(30));
+        let (tx, rx) = tokio::sync::oneshot::channel::<Response<Body>>();
+        drop(rx);
+        holder
+            .run(
+                upstream(201, Duration::from_secs(2)),
+                Request::new(Body::empty()),
+                move |r| {
+                    let _ = tx.send(r);
+                },
+            )
+            .await;
+        let writes = script.writes.lock().unwrap().clone();
+        assert!(matches!(&writes[..], [(_, Write::Complete(s))] if s.status == 201));
+        assert!(holders.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiters_see_the_stored_outcome_and_a_retry_after_a_release() {
+        let script = Script::default();
+        let (holder, holders) = holder(&script, Duration::from_secs(30));
+        let key = holder.key.clone();
+        let task = tokio::spawn(run(holder, upstream(201, Duration::from_secs(1))));
+        tokio::task::yield_now().await;
+        assert!(holders.subscribe(&key, "another request").is_none());
+        let mut outcome = holders.subscribe(&key, "fp").expect("registered");
+        let seen = outcome.wait_for(|o| o.is_some()).await.unwrap().clone();
+        assert!(matches!(seen, Some(Outcome::Stored(s)) if s.status == 201));
+        task.await.unwrap();
+
+        let (holder, holders) = self::holder(&script, Duration::from_secs(30));
+        let task = tokio::spawn(run(holder, upstream(503, Duration::ZERO)));
+        tokio::task::yield_now().await;
+        if let Some(mut outcome) = holders.subscribe(&key, "fp") {
+            let seen = outcome.wait_for(|o| o.is_some()).await.map(|o| o.clone());
+            assert!(matches!(seen, Ok(Some(Outcome::Retry)) | Err(_)));
+        }
+        task.await.unwrap();
+        assert_eq!(
+            script.writes.lock().unwrap().last().unwrap().1,
+            Write::Release
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_waits_for_holders_and_gives_up_after_the_grace() {
+        let script = Script::default();
+        let (holder, holders) = holder(&script, Duration::from_secs(30));
+        tokio::spawn(run(holder, upstream(201, Duration::from_secs(5))));
+        tokio::task::yield_now().await;
+        let started = Instant::now();
+        holders.drain(Duration::from_secs(2)).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        assert_eq!(holders.len(), 1);
+        holders.drain(Duration::from_secs(10)).await;
+        assert!(holders.is_empty());
+        assert!(started.elapsed() < Duration::from_secs(6));
+    }
+}
