@@ -15,7 +15,7 @@ use serde_json::json;
 
 use crate::identity::client_scope;
 use crate::metrics::Metrics;
-use crate::store::{Store, now_ms};
+use crate::store::Store;
 
 /// What the admin endpoints read.
 #[derive(Clone)]
@@ -83,14 +83,13 @@ async fn show_key(
     Path((route, key)): Path<(String, String)>,
     Query(p): Query<ClientParam>,
 ) -> Response {
-    let now = now_ms();
     let scope = p.client.map(|c| client_scope(Some(c.as_bytes())));
-    match state.store.find(&route, &key).await {
+    match state.store.find_for_operator(&route, &key).await {
         Ok(records) => {
             let records: Vec<_> = records
                 .iter()
                 .filter(|r| scope.as_ref().is_none_or(|s| &r.key.scope == s))
-                .map(|r| r.describe(now))
+                .map(|r| r.describe())
                 .collect();
             let status = if records.is_empty() {
                 StatusCode::NOT_FOUND
@@ -109,10 +108,27 @@ async fn purge_key(
     Query(p): Query<ClientParam>,
 ) -> Response {
     let scope = p.client.map(|c| client_scope(Some(c.as_bytes())));
-    match state.store.purge(&route, &key, scope.as_deref()).await {
-        Ok(n) => {
-            tracing::info!(route = %route, key = %key.escape_debug(), purged = n, layer = "admin", "records purged");
-            Json(json!({"purged": n})).into_response()
+    match state
+        .store
+        .purge_for_operator(&route, &key, scope.as_deref())
+        .await
+    {
+        Ok(purged) if purged.held > 0 => {
+            tracing::warn!(route = %route, key = %crate::store::key_ref(&key), purged = purged.removed, held = purged.held, layer = "admin", "purge refused: a request holds the record");
+            crate::error::Problem::new(
+                StatusCode::CONFLICT,
+                "record-in-flight",
+                "A request with this key is still being processed",
+            )
+            .detail(format!(
+                "{} record(s) purged, {} held under a live lease and kept; purge again once it has finished",
+                purged.removed, purged.held
+            ))
+            .into_response()
+        }
+        Ok(purged) => {
+            tracing::info!(route = %route, key = %crate::store::key_ref(&key), purged = purged.removed, layer = "admin", "records purged");
+            Json(json!({"purged": purged.removed})).into_response()
         }
         Err(e) => crate::error::Problem::from(&e).into_response(),
     }

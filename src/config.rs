@@ -253,6 +253,16 @@ impl fmt::Display for RouteKind {
     }
 }
 
+impl fmt::Display for SignatureScheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SignatureScheme::StandardWebhooks => "standard-webhooks",
+            SignatureScheme::Stripe => "stripe",
+            SignatureScheme::HmacSha256 => "hmac-sha256",
+        })
+    }
+}
+
 impl fmt::Display for Idempotency {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -287,6 +297,13 @@ impl HumanDuration {
     /// The value; zero when invalid (validation has refused such a config).
     pub fn get(&self) -> Duration {
         self.parsed.unwrap_or_default()
+    }
+
+    /// The value when it is usable (parsed and above zero); `None` when
+    /// [`HumanDuration::problem`] reports it, so checks that compare two
+    /// durations skip a value that is already refused on its own.
+    fn valid(&self) -> Option<Duration> {
+        self.parsed.filter(|d| !d.is_zero())
     }
 
     fn problem(&self) -> Option<String> {
@@ -432,7 +449,8 @@ impl Default for IdentityConfig {
 
 // === errors ===
 
-/// One thing wrong with a config file: the key and the reason.
+/// One thing wrong with a config file (or, from [`Config::warnings`], one
+/// thing risky in it): the key and the reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
     pub key: String,
@@ -545,11 +563,18 @@ impl Config {
         if self.server.max_connections == 0 {
             add("server.max_connections".into(), "must be above zero".into());
         }
+        // Every duration of the file, unparsable or zero refused: none of them
+        // has a meaningful zero (a zero read timeout or store timeout fails
+        // every request, a zero lease or retention protects nothing, a zero
+        // sweep interval or budget spins, a zero shutdown grace drops every
+        // in-flight request). `upstreams[].timeout` and
+        // `routes[].signature.tolerance` are checked with their entries.
         for (key, d) in [
             (
                 "server.header_read_timeout",
                 &self.server.header_read_timeout,
             ),
+            ("server.body_read_timeout", &self.server.body_read_timeout),
             ("server.shutdown_grace", &self.server.shutdown_grace),
             ("store.retention", &self.store.retention),
             ("store.lease", &self.store.lease),
@@ -561,6 +586,48 @@ impl Config {
             if let Some(reason) = d.problem() {
                 add(key.into(), reason);
             }
+        }
+        let lease = self.store.lease.valid();
+        let store_timeout = self.store.timeout.valid();
+        let budget = self.store.fast_layer_budget.valid();
+        // holder.rs `renew`: the lease is renewed every third of its length,
+        // and a renewal is a store operation bounded by store.timeout.
+        if let (Some(lease), Some(timeout)) = (lease, store_timeout)
+            && lease < timeout * 2
+        {
+            add(
+                "store.lease".into(),
+                format!(
+                    "{:?} is shorter than twice store.timeout ({:?}): while a request runs, its \
+                     claim's lease is renewed every third of the lease (here every {}ms) and one \
+                     renewal may take up to store.timeout, so a slow renewal can land after the \
+                     lease has ended; another gateway then takes the claim over and executes the \
+                     request a second time while the first is still running. Set lease to at \
+                     least {} or lower store.timeout",
+                    self.store.lease.raw,
+                    self.store.timeout.raw,
+                    (lease / 3).as_millis(),
+                    humantime::format_duration(timeout * 2)
+                ),
+            );
+        }
+        if let (Some(budget), Some(timeout)) = (budget, store_timeout)
+            && budget > timeout
+        {
+            add(
+                "store.fast_layer_budget".into(),
+                format!(
+                    "{:?} is longer than store.timeout ({:?}): the fast layer only spares SQL the \
+                     duplicates, and a fast-layer call slower than the budget is abandoned for \
+                     SQL, so a budget above the bound on a SQL operation would let a slow fast \
+                     layer delay every request longer than the store operation it is meant to \
+                     speed up; keep it at most store.timeout (typically far below, the default \
+                     is {})",
+                    self.store.fast_layer_budget.raw,
+                    self.store.timeout.raw,
+                    DEFAULT_FAST_LAYER_BUDGET
+                ),
+            );
         }
         let db = &self.store.database_url;
         if !(db.starts_with("sqlite:")
@@ -737,6 +804,30 @@ impl Config {
                 for source in &r.business_key {
                     if let Err(reason) = crate::callback::KeySource::parse(source) {
                         add(key("business_key"), reason);
+                        continue;
+                    }
+                    // Every scheme signs the body only (SPEC section 4,
+                    // callback routes): a key read elsewhere is not covered.
+                    let unsigned = if source.starts_with("header:") {
+                        Some("header")
+                    } else if source.starts_with("query:") {
+                        Some("query parameter")
+                    } else {
+                        None
+                    };
+                    if let (Some(sig), Some(place)) = (&r.signature, unsigned) {
+                        add(
+                            key("business_key"),
+                            format!(
+                                "route {:?} verifies a {} signature, which covers the body only, \
+                                 but its business key source {source:?} is a {place} the sender \
+                                 does not sign: a captured delivery replayed with a new {place} \
+                                 value would pass the signature check and count as a new key, so \
+                                 it would be executed again; take the key from the body \
+                                 (json:/pointer)",
+                                r.name, sig.scheme
+                            ),
+                        );
                     }
                 }
                 if let Some(sig) = &r.signature {
@@ -759,6 +850,29 @@ impl Config {
                 }
             }
         }
+    }
+
+    /// What a valid configuration still risks, for `check-config` to print:
+    /// each callback route signed with `hmac-sha256` (no timestamp, so a
+    /// captured delivery never goes stale).
+    pub fn warnings(&self) -> Vec<Problem> {
+        let mut warnings = Vec::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let scheme = r.signature.as_ref().map(|s| s.scheme);
+            if r.kind == RouteKind::Callback && scheme == Some(SignatureScheme::HmacSha256) {
+                warnings.push(Problem {
+                    key: format!("routes[{i}].signature.scheme"),
+                    reason: format!(
+                        "route {:?} uses hmac-sha256, which signs the body without a timestamp: \
+                         a captured delivery replayed after its record's retention \
+                         (store.retention = {:?}) is treated as a new delivery and forwarded \
+                         again; prefer standard-webhooks or stripe if the sender supports them",
+                        r.name, self.store.retention.raw
+                    ),
+                });
+            }
+        }
+        warnings
     }
 
     /// The upstream a route names (validation guarantees it exists).
@@ -1027,5 +1141,272 @@ mod tests {
         "#;
         let err = Config::parse(text, "t").unwrap().validate("t").unwrap_err();
         assert!(err.to_string().contains("/token"), "{err}");
+    }
+
+    /// The problems validation finds in `text` (none when it is valid).
+    fn problems_of(text: &str) -> Vec<Problem> {
+        match Config::parse(text, "t").unwrap().validate("t") {
+            Ok(()) => Vec::new(),
+            Err(e) => e.problems().to_vec(),
+        }
+    }
+
+    /// The reasons given for `key`.
+    fn reasons_for<'a>(problems: &'a [Problem], key: &str) -> Vec<&'a str> {
+        problems
+            .iter()
+            .filter(|p| p.key == key)
+            .map(|p| p.reason.as_str())
+            .collect()
+    }
+
+    /// Every duration key of the file, as validation names it.
+    const DURATION_KEYS: &[&str] = &[
+        "server.header_read_timeout",
+        "server.body_read_timeout",
+        "server.shutdown_grace",
+        "store.retention",
+        "store.lease",
+        "store.timeout",
+        "store.sweep_interval",
+        "store.fast_layer_budget",
+        "tokens.ttl",
+        "upstreams[0].timeout",
+        "routes[0].signature.tolerance",
+    ];
+
+    /// A config with every duration of [`DURATION_KEYS`] set to `value`.
+    fn every_duration(value: &str) -> String {
+        format!(
+            r#"
+            [server]
+            header_read_timeout = "{value}"
+            body_read_timeout = "{value}"
+            shutdown_grace = "{value}"
+            [store]
+            retention = "{value}"
+            lease = "{value}"
+            timeout = "{value}"
+            sweep_interval = "{value}"
+            fast_layer_budget = "{value}"
+            [tokens]
+            ttl = "{value}"
+            [[upstreams]]
+            name = "o"
+            url = "http://127.0.0.1:9001"
+            timeout = "{value}"
+            [[routes]]
+            name = "hook"
+            path = "/hook"
+            upstream = "o"
+            kind = "callback"
+            business_key = ["json:/id"]
+            [routes.signature]
+            scheme = "stripe"
+            secrets = ["whsec_x"]
+            tolerance = "{value}"
+            "#
+        )
+    }
+
+    #[test]
+    fn every_duration_key_refuses_text_that_is_not_a_duration() {
+        let problems = problems_of(&every_duration("abc"));
+        for key in DURATION_KEYS {
+            let reasons = reasons_for(&problems, key);
+            assert_eq!(reasons.len(), 1, "{key}: {problems:?}");
+            assert!(reasons[0].contains("\"abc\""), "{key}: {}", reasons[0]);
+            assert!(
+                reasons[0].contains("not a duration"),
+                "{key}: {}",
+                reasons[0]
+            );
+        }
+        assert_eq!(problems.len(), DURATION_KEYS.len(), "{problems:?}");
+    }
+
+    #[test]
+    fn every_duration_key_refuses_zero() {
+        let problems = problems_of(&every_duration("0s"));
+        for key in DURATION_KEYS {
+            let reasons = reasons_for(&problems, key);
+            // One each: lease and budget are not also compared with a zero
+            // store.timeout.
+            assert_eq!(reasons.len(), 1, "{key}: {problems:?}");
+            assert!(reasons[0].contains("\"0s\""), "{key}: {}", reasons[0]);
+            assert!(
+                reasons[0].contains("longer than zero"),
+                "{key}: {}",
+                reasons[0]
+            );
+        }
+        assert_eq!(problems.len(), DURATION_KEYS.len(), "{problems:?}");
+    }
+
+    #[test]
+    fn a_zero_or_bad_body_read_timeout_is_refused() {
+        for value in ["0s", "0ms", "abc", ""] {
+            let text = format!("[server]\nbody_read_timeout = \"{value}\"\n{MINIMAL}");
+            let problems = problems_of(&text);
+            assert_eq!(
+                reasons_for(&problems, "server.body_read_timeout").len(),
+                1,
+                "{value:?}: {problems:?}"
+            );
+        }
+    }
+
+    /// [`MINIMAL`] with these `[store]` lines.
+    fn with_store(lines: &str) -> String {
+        format!("[store]\n{lines}\n{MINIMAL}")
+    }
+
+    #[test]
+    fn a_lease_shorter_than_twice_the_store_timeout_is_refused() {
+        let problems = problems_of(&with_store("lease = \"3s\"\ntimeout = \"2s\""));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].key, "store.lease");
+        let reason = &problems[0].reason;
+        for expected in [
+            "\"3s\"",
+            "\"2s\"",
+            "twice store.timeout",
+            "every third of the lease",
+            "every 1000ms",
+            "a second time",
+            "at least 4s",
+        ] {
+            assert!(
+                reason.contains(expected),
+                "missing {expected:?} in {reason}"
+            );
+        }
+        // Exactly twice is enough, and so are the defaults (30s, 2s).
+        for lines in [
+            "lease = \"4s\"\ntimeout = \"2s\"",
+            "lease = \"1s\"\ntimeout = \"500ms\"",
+            "",
+        ] {
+            let problems = problems_of(&with_store(lines));
+            assert!(problems.is_empty(), "{lines:?}: {problems:?}");
+        }
+        // The default store.timeout (2s) counts too.
+        let problems = problems_of(&with_store("lease = \"1s\""));
+        let reasons = reasons_for(&problems, "store.lease");
+        assert_eq!(reasons.len(), 1, "{problems:?}");
+    }
+
+    #[test]
+    fn a_fast_layer_budget_above_the_store_timeout_is_refused() {
+        let problems = problems_of(&with_store("fast_layer_budget = \"3s\"\ntimeout = \"2s\""));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].key, "store.fast_layer_budget");
+        assert!(
+            problems[0].reason.contains("\"3s\"") && problems[0].reason.contains("store.timeout"),
+            "{}",
+            problems[0].reason
+        );
+        let equal = with_store("fast_layer_budget = \"2s\"\ntimeout = \"2s\"");
+        assert!(problems_of(&equal).is_empty(), "{:?}", problems_of(&equal));
+    }
+
+    /// One callback route `hook` with these `business_key` sources and
+    /// signature table (`""`: unsigned).
+    fn callback_route(business_key: &str, signature: &str) -> String {
+        format!(
+            r#"
+            [[upstreams]]
+            name = "o"
+            url = "http://127.0.0.1:9001"
+            [[routes]]
+            name = "hook"
+            methods = ["POST"]
+            path = "/hook"
+            upstream = "o"
+            kind = "callback"
+            business_key = {business_key}
+            {signature}
+            "#
+        )
+    }
+
+    /// A `[routes.signature]` table for each scheme.
+    const SIGNATURES: &[(&str, &str)] = &[
+        (
+            "standard-webhooks",
+            "[routes.signature]\nscheme = \"standard-webhooks\"\nsecrets = [\"whsec_MDEyMzQ1Njc4OWFiY2RlZg==\"]",
+        ),
+        (
+            "stripe",
+            "[routes.signature]\nscheme = \"stripe\"\nsecrets = [\"whsec_x\"]",
+        ),
+        (
+            "hmac-sha256",
+            "[routes.signature]\nscheme = \"hmac-sha256\"\nheader = \"X-Signature\"\nsecrets = [\"k\"]",
+        ),
+    ];
+
+    #[test]
+    fn a_signed_callback_route_refuses_header_and_query_key_sources() {
+        for (scheme, signature) in SIGNATURES {
+            let text = callback_route(r#"["header:X-Msg-Id", "query:id", "json:/id"]"#, signature);
+            let problems = problems_of(&text);
+            let reasons = reasons_for(&problems, "routes[0].business_key");
+            assert_eq!(reasons.len(), 2, "{scheme}: {problems:?}");
+            assert_eq!(problems.len(), 2, "{scheme}: {problems:?}");
+            for (reason, source) in reasons.iter().zip(["header:X-Msg-Id", "query:id"]) {
+                for expected in [source, "\"hook\"", *scheme, "body only", "new key"] {
+                    assert!(
+                        reason.contains(expected),
+                        "{scheme}: missing {expected:?} in {reason}"
+                    );
+                }
+                assert!(!reason.contains("json:/id"), "{reason}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_signed_callback_route_accepts_json_key_sources() {
+        for (scheme, signature) in SIGNATURES {
+            let text = callback_route(r#"["json:/id", "json:/type"]"#, signature);
+            let problems = problems_of(&text);
+            assert!(problems.is_empty(), "{scheme}: {problems:?}");
+        }
+    }
+
+    #[test]
+    fn an_unsigned_callback_route_still_accepts_header_and_query_sources() {
+        let problems = problems_of(&callback_route(r#"["header:X-Msg-Id", "query:id"]"#, ""));
+        assert!(problems.is_empty(), "{problems:?}");
+    }
+
+    #[test]
+    fn hmac_sha256_callback_routes_are_warned_about() {
+        for (scheme, signature) in SIGNATURES {
+            let c = Config::parse(&callback_route(r#"["json:/id"]"#, signature), "t").unwrap();
+            c.validate("t").unwrap();
+            let warnings = c.warnings();
+            if *scheme == "hmac-sha256" {
+                assert_eq!(warnings.len(), 1, "{warnings:?}");
+                assert_eq!(warnings[0].key, "routes[0].signature.scheme");
+                for expected in [
+                    "\"hook\"",
+                    "hmac-sha256",
+                    "timestamp",
+                    "retention",
+                    "\"24h\"",
+                ] {
+                    assert!(
+                        warnings[0].reason.contains(expected),
+                        "missing {expected:?} in {}",
+                        warnings[0].reason
+                    );
+                }
+            } else {
+                assert!(warnings.is_empty(), "{scheme}: {warnings:?}");
+            }
+        }
+        assert!(Config::parse(MINIMAL, "t").unwrap().warnings().is_empty());
     }
 }

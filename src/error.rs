@@ -203,9 +203,9 @@ impl From<&crate::router::RouteError> for Problem {
             E::InvalidPath => Problem::new(
                 StatusCode::BAD_REQUEST,
                 "invalid-path",
-                "The request path holds dot-segments or empty segments",
+                "The request path could be read as a different path",
             )
-            .detail("paths with '.', '..' or '//' segments are refused so that no route can be reached through another"),
+            .detail("dot segments in any encoding, empty segments ('//'), ';', raw or encoded backslashes, encoded slashes and '%25' are refused so that no route can be reached through another"),
             E::AmbiguousFraming => Problem::new(
                 StatusCode::BAD_REQUEST,
                 "ambiguous-framing",

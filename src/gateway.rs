@@ -377,7 +377,9 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
         })?;
         // One pool per upstream per call: each worker builds its own router,
         // so connections never leave the thread that drives them.
-        let pool = Pool::new(upstream.authority.to_string());
+        // Half the upstream's timeout at most: a connect that hangs is
+        // "never sent" and must be told before the exchange times out.
+        let pool = Pool::with_connect_timeout(upstream.authority.to_string(), upstream.timeout / 2);
         upstreams.insert(u.name.clone(), (Arc::new(upstream), pool));
     }
     let mut routes = Vec::with_capacity(config.routes.len());

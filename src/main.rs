@@ -78,6 +78,7 @@ fn main() -> ExitCode {
     match command {
         Command::CheckConfig => {
             print_route_table(&config);
+            print_warnings(&config);
             ExitCode::SUCCESS
         }
         Command::Serve => block_on(async {
@@ -131,14 +132,13 @@ async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
     match action {
         KeysAction::Show { route, key, client } => {
             let scope = scope(&client);
-            let now = idemgate::store::now_ms();
             let records: Vec<_> = store
-                .find(&route, &key)
+                .find_for_operator(&route, &key)
                 .await
                 .map_err(|e| e.to_string())?
                 .into_iter()
                 .filter(|r| scope.as_ref().is_none_or(|s| &r.key.scope == s))
-                .map(|r| r.describe(now))
+                .map(|r| r.describe())
                 .collect();
             if records.is_empty() {
                 return Err(format!(
@@ -155,11 +155,18 @@ async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
             Ok(())
         }
         KeysAction::Purge { route, key, client } => {
-            let n = store
-                .purge(&route, &key, scope(&client).as_deref())
+            let purged = store
+                .purge_for_operator(&route, &key, scope(&client).as_deref())
                 .await
                 .map_err(|e| e.to_string())?;
-            println!("purged {n} record(s)");
+            println!("purged {} record(s)", purged.removed);
+            if purged.held > 0 {
+                // A purge never lets a second request run beside the first.
+                return Err(format!(
+                    "record-in-flight: {} record(s) held under a live lease were kept; purge again once the request has finished",
+                    purged.held
+                ));
+            }
             Ok(())
         }
     }
@@ -195,6 +202,14 @@ fn init_logging() {
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
+}
+
+/// What a valid config still risks, one line each on stderr (beside the
+/// refusals, which go there too); the exit status stays 0.
+fn print_warnings(config: &Config) {
+    for w in config.warnings() {
+        eprintln!("warning: {}: {}", w.key, w.reason);
+    }
 }
 
 fn print_route_table(config: &Config) {

@@ -75,7 +75,7 @@ pub enum RouteError {
     NotFound,
     #[error("the route does not take this method")]
     MethodNotAllowed { allow: String },
-    #[error("the path holds dot or empty segments")]
+    #[error("the path could be read as a different path")]
     InvalidPath,
     #[error("both Content-Length and Transfer-Encoding")]
     AmbiguousFraming,
@@ -162,28 +162,66 @@ fn allow_list<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
     methods.join(", ")
 }
 
-/// Refuses `.`/`..` segments (raw or percent-encoded) and empty segments, so
+/// Refuses every path that another component (the upstream, a proxy or a
+/// servlet container in front of it) could read as a different path, so
 /// that a request can never match one route and, after the upstream
-/// normalises its path, execute as another.
+/// normalises its path, execute as another (SPEC §4 Always):
+///
+/// - a `;`, raw or encoded (`%3b`): `..;` is `..` to servers that drop
+///   path parameters;
+/// - a backslash, raw or encoded (`%5c`): a separator to some servers;
+/// - an encoded slash (`%2f`);
+/// - `%25`: decoded twice, `%252e` is a dot;
+/// - an empty segment (`//`);
+/// - a segment that decodes to `.` or `..` ([`is_dot_segment`]).
+///
+/// Only the path is checked (the caller passes `uri.path()`), never the
+/// query. Byte checks only: this runs on every request, so no allocation.
 fn has_unsafe_segments(path: &str) -> bool {
-    if path.contains("//") {
-        return true;
-    }
-    // Byte checks only: this runs on every request, so no allocation.
+    let bytes = path.as_bytes();
     let eq = |a: &[u8], b: &[u8]| a.eq_ignore_ascii_case(b);
-    path.split('/').skip(1).any(|segment| {
-        let s = segment.as_bytes();
-        let dot = |part: &[u8]| part == b"." || eq(part, b"%2e");
-        let is_dots = match s.len() {
-            1 | 3 => dot(s),
-            2 => s == b"..",
-            4 => (s[0] == b'.' && eq(&s[1..], b"%2e")) || (eq(&s[..3], b"%2e") && s[3] == b'.'),
-            6 => eq(s, b"%2e%2e"),
-            _ => false,
+    for (i, &byte) in bytes.iter().enumerate() {
+        match byte {
+            b';' | b'\\' => return true,
+            b'/' if bytes.get(i + 1) == Some(&b'/') => return true,
+            b'%' => {
+                if let Some(hex) = bytes.get(i + 1..i + 3)
+                    && (eq(hex, b"25") || eq(hex, b"2f") || eq(hex, b"3b") || eq(hex, b"5c"))
+                {
+                    return true;
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut segments = path.split('/').skip(1);
+    segments.any(|segment| is_dot_segment(segment.as_bytes()))
+}
+
+/// Whether a segment decodes to `.` or `..`: one or two units, each a `.`,
+/// a `%2e` in either case, or the overlong UTF-8 `%c0%ae` that lax
+/// decoders also read as a dot. Dots inside a name (`a.b`, `...x`) and
+/// three or more dots are ordinary names.
+fn is_dot_segment(segment: &[u8]) -> bool {
+    let mut rest = segment;
+    let mut dots = 0;
+    while let Some(&first) = rest.first() {
+        let unit = if first == b'.' {
+            1
+        } else if rest.len() >= 3 && rest[..3].eq_ignore_ascii_case(b"%2e") {
+            3
+        } else if rest.len() >= 6 && rest[..6].eq_ignore_ascii_case(b"%c0%ae") {
+            6
+        } else {
+            return false;
         };
-        let encoded_separator = s.windows(3).any(|w| eq(w, b"%2f") || eq(w, b"%5c"));
-        is_dots || encoded_separator
-    })
+        dots += 1;
+        if dots > 2 {
+            return false;
+        }
+        rest = &rest[unit..];
+    }
+    dots > 0
 }
 
 /// The outcome a finished response stands for, when no layer said otherwise.
@@ -332,6 +370,157 @@ mod tests {
                 !has_unsafe_segments(good.split('?').next().unwrap()),
                 "{good}"
             );
+        }
+    }
+
+    #[test]
+    fn dot_segments_are_refused_in_every_encoding() {
+        for bad in [
+            "/.",
+            "/..",
+            "/a/.",
+            "/a/..",
+            "/a/./b",
+            "/a/../b",
+            "/a/%2e/b",
+            "/a/%2E/b",
+            "/a/%2e%2e/b",
+            "/a/%2E%2E/b",
+            "/a/%2e%2E/b",
+            "/a/.%2e/b",
+            "/a/.%2E/b",
+            "/a/%2e./b",
+            "/a/%2E./b",
+            "/a/%c0%ae%c0%ae/b",
+            "/a/.%C0%AE/b",
+            "/a/%2e%2e",
+        ] {
+            assert!(has_unsafe_segments(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn semicolons_are_refused_raw_or_encoded() {
+        for bad in [
+            "/pass/..;/orders",
+            "/a/..;x=1/b",
+            "/a/.;/b",
+            "/a/%2e%2e;/b",
+            "/a/%2E%2E;/b",
+            "/a/.%2e;/b",
+            "/a/..%3b/b",
+            "/a/..%3B/b",
+            "/a/%2e%2e%3b/b",
+            "/a/%3b/b",
+            "/orders;jsessionid=1",
+            "/a;b/c",
+            "/a/b;",
+        ] {
+            assert!(has_unsafe_segments(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn backslashes_are_refused_raw_or_encoded() {
+        for bad in [
+            "/a\\b",
+            "/a/..\\b",
+            "/a\\..\\b",
+            "\\",
+            "/a%5cb",
+            "/a%5Cb",
+            "/a/..%5c/b",
+            "/a/%5C..%5Cb",
+        ] {
+            assert!(has_unsafe_segments(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn encoded_slashes_double_encoding_and_empty_segments_are_refused() {
+        for bad in [
+            "/a%2fb",
+            "/a%2Fb",
+            "/a/..%2f/b",
+            "/a/%2f",
+            "/a/%252e%252e/b",
+            "/a/%252E%252E/b",
+            "/a/%252fb",
+            "/a/%255cb",
+            "/a%25",
+            "/a/%25",
+            "//",
+            "//orders",
+            "/a//b",
+            "/a/b//",
+            "/a///b",
+        ] {
+            assert!(has_unsafe_segments(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ordinary_paths_are_allowed() {
+        for good in [
+            "/",
+            "/orders",
+            "/orders/",
+            "/orders/ord_1",
+            "/echo/a.b/c..d/...x",
+            "/echo/...",
+            "/echo/.hidden",
+            "/echo/..x",
+            "/echo/x..",
+            "/a.b/c",
+            "/a/...x",
+            "/a%20b",
+            "/a/%2e%2e%2e",
+            "/a/b%2ec",
+            "/a/%41%7E",
+            "/a/%",
+            "/a/%2",
+            "/caf%C3%A9",
+            "*",
+        ] {
+            assert!(!has_unsafe_segments(good), "{good}");
+        }
+    }
+
+    #[test]
+    fn only_the_path_is_checked_never_the_query() {
+        for target in [
+            "/orders?x=../",
+            "/orders?next=/a/..;/b",
+            "/orders?p=%2f%5c%25%3b",
+            "/orders?a=b;c=d",
+            "/orders?u=http://x//y",
+            "/orders?x=\\",
+        ] {
+            let uri: http::Uri = target.parse().unwrap();
+            assert!(!has_unsafe_segments(uri.path()), "{target}");
+        }
+        let uri: http::Uri = "/a/..;/b?x=1".parse().unwrap();
+        assert!(has_unsafe_segments(uri.path()));
+    }
+
+    #[test]
+    fn dot_segment_units_are_counted() {
+        for (segment, dot) in [
+            (".", true),
+            ("..", true),
+            ("%2e", true),
+            ("%2E%2e", true),
+            (".%2e", true),
+            ("%2e.", true),
+            ("%c0%ae", true),
+            ("", false),
+            ("...", false),
+            ("%2e%2e%2e", false),
+            ("..a", false),
+            ("%2", false),
+            ("%2f", false),
+        ] {
+            assert_eq!(is_dot_segment(segment.as_bytes()), dot, "{segment}");
         }
     }
 }

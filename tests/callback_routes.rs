@@ -305,7 +305,7 @@ fn signed_route(signature: &str) -> String {
         path = "/mq/push"
         upstream = "demo"
         kind = "callback"
-        business_key = ["header:X-Msg-Id"]
+        business_key = ["json:/id"]
         [routes.signature]
         {signature}
         "#
@@ -323,7 +323,7 @@ async fn deliver(stack: &Stack, headers: &[(&str, &str)], body: &str) -> Answer 
         .await
 }
 
-async fn assert_refused_without_record(stack: &Stack, a: &Answer, what: &str) {
+async fn assert_refused_without_record(stack: &Stack, a: &Answer, what: &str, id: &str) {
     assert_eq!(a.status, 401, "{what}");
     assert_eq!(
         a.problem_type(),
@@ -334,7 +334,7 @@ async fn assert_refused_without_record(stack: &Stack, a: &Answer, what: &str) {
         stack
             .gateway
             .store
-            .find("hook", "forged")
+            .find("hook", id)
             .await
             .unwrap()
             .is_empty(),
@@ -352,54 +352,38 @@ async fn stripe_signatures_valid_tampered_expired_and_rotated() {
     let body = r#"{"id":"evt_1"}"#;
     let t = now().to_string();
     for (secret, id) in [("whsec_old", "a"), ("whsec_new", "b")] {
+        let delivery = format!(r#"{{"id":"{id}"}}"#);
         let sig = format!(
             "t={t},v1={}",
-            sign_hex(secret.as_bytes(), &[t.as_bytes(), b".", body.as_bytes()])
+            sign_hex(
+                secret.as_bytes(),
+                &[t.as_bytes(), b".", delivery.as_bytes()]
+            )
         );
-        let a = deliver(
-            &stack,
-            &[("stripe-signature", &sig), ("x-msg-id", id)],
-            body,
-        )
-        .await;
+        let a = deliver(&stack, &[("stripe-signature", &sig)], &delivery).await;
         assert_eq!(a.status, 200, "{secret}");
     }
     let sig = format!(
         "t={t},v1={}",
         sign_hex(b"whsec_new", &[t.as_bytes(), b".", body.as_bytes()])
     );
-    let tampered = deliver(
-        &stack,
-        &[("stripe-signature", &sig), ("x-msg-id", "forged")],
-        r#"{"id":"evt_2"}"#,
-    )
-    .await;
-    assert_refused_without_record(&stack, &tampered, "tampered").await;
+    let tampered = deliver(&stack, &[("stripe-signature", &sig)], r#"{"id":"evt_2"}"#).await;
+    assert_refused_without_record(&stack, &tampered, "tampered", "evt_2").await;
     let old = (now() - 600).to_string();
     let sig = format!(
         "t={old},v1={}",
         sign_hex(b"whsec_new", &[old.as_bytes(), b".", body.as_bytes()])
     );
-    let expired = deliver(
-        &stack,
-        &[("stripe-signature", &sig), ("x-msg-id", "forged")],
-        body,
-    )
-    .await;
-    assert_refused_without_record(&stack, &expired, "expired").await;
+    let expired = deliver(&stack, &[("stripe-signature", &sig)], body).await;
+    assert_refused_without_record(&stack, &expired, "expired", "evt_1").await;
     let unknown = format!(
         "t={t},v1={}",
         sign_hex(b"whsec_other", &[t.as_bytes(), b".", body.as_bytes()])
     );
-    let a = deliver(
-        &stack,
-        &[("stripe-signature", &unknown), ("x-msg-id", "forged")],
-        body,
-    )
-    .await;
-    assert_refused_without_record(&stack, &a, "unknown secret").await;
-    let missing = deliver(&stack, &[("x-msg-id", "forged")], body).await;
-    assert_refused_without_record(&stack, &missing, "missing").await;
+    let a = deliver(&stack, &[("stripe-signature", &unknown)], body).await;
+    assert_refused_without_record(&stack, &a, "unknown secret", "evt_1").await;
+    let missing = deliver(&stack, &[], body).await;
+    assert_refused_without_record(&stack, &missing, "missing", "evt_1").await;
     assert_eq!(stack.upstream.state.stats().requests, 2);
     stack.shutdown().await;
 }
@@ -417,7 +401,7 @@ async fn standard_webhooks_signatures() {
         secrets = ["{secret}"]"#
     )))
     .await;
-    let body = r#"{"type":"payment.succeeded"}"#;
+    let body = r#"{"id":"ok","type":"payment.succeeded"}"#;
     let t = now();
     let sig = sign_standard(key, "msg_1", t, body.as_bytes());
     let ts = t.to_string();
@@ -425,37 +409,37 @@ async fn standard_webhooks_signatures() {
         ("webhook-id", "msg_1"),
         ("webhook-timestamp", ts.as_str()),
         ("webhook-signature", sig.as_str()),
-        ("x-msg-id", "ok"),
     ];
     assert_eq!(deliver(&stack, &headers, body).await.status, 200);
     // Several signatures in one header: any may match.
-    let both = format!("v1,AAAA {sig}");
+    let body2 = r#"{"id":"ok2","type":"payment.succeeded"}"#;
+    let sig2 = sign_standard(key, "msg_1", t, body2.as_bytes());
+    let both = format!("v1,AAAA {sig2}");
     let headers = [
         ("webhook-id", "msg_1"),
         ("webhook-timestamp", ts.as_str()),
         ("webhook-signature", both.as_str()),
-        ("x-msg-id", "ok2"),
     ];
-    assert_eq!(deliver(&stack, &headers, body).await.status, 200);
+    assert_eq!(deliver(&stack, &headers, body2).await.status, 200);
+    let forged = r#"{"id":"forged"}"#;
+    let forged_sig = sign_standard(key, "msg_1", t, forged.as_bytes());
     let headers = [
         ("webhook-id", "msg_2"),
         ("webhook-timestamp", ts.as_str()),
-        ("webhook-signature", sig.as_str()),
-        ("x-msg-id", "forged"),
+        ("webhook-signature", forged_sig.as_str()),
     ];
-    let a = deliver(&stack, &headers, body).await;
-    assert_refused_without_record(&stack, &a, "signature for another id").await;
+    let a = deliver(&stack, &headers, forged).await;
+    assert_refused_without_record(&stack, &a, "signature for another id", "forged").await;
     let old = t - 301;
-    let stale_sig = sign_standard(key, "msg_1", old, body.as_bytes());
+    let stale_sig = sign_standard(key, "msg_1", old, forged.as_bytes());
     let old = old.to_string();
     let headers = [
         ("webhook-id", "msg_1"),
         ("webhook-timestamp", old.as_str()),
         ("webhook-signature", stale_sig.as_str()),
-        ("x-msg-id", "forged"),
     ];
-    let a = deliver(&stack, &headers, body).await;
-    assert_refused_without_record(&stack, &a, "expired").await;
+    let a = deliver(&stack, &headers, forged).await;
+    assert_refused_without_record(&stack, &a, "expired", "forged").await;
     stack.shutdown().await;
 }
 
@@ -467,19 +451,14 @@ async fn plain_hmac_signatures_with_rotated_secrets() {
         secrets = ["retired", "current"]"#,
     ))
     .await;
-    let body = "{\"n\":1}";
     for (secret, id) in [("retired", "r"), ("current", "c")] {
+        let body = format!(r#"{{"id":"{id}"}}"#);
         let sig = format!("sha256={}", sign_hex(secret.as_bytes(), &[body.as_bytes()]));
-        let a = deliver(&stack, &[("x-signature", &sig), ("x-msg-id", id)], body).await;
+        let a = deliver(&stack, &[("x-signature", &sig)], &body).await;
         assert_eq!(a.status, 200, "{secret}");
     }
-    let sig = sign_hex(b"current", &[body.as_bytes()]);
-    let a = deliver(
-        &stack,
-        &[("x-signature", &sig), ("x-msg-id", "forged")],
-        "{\"n\":2}",
-    )
-    .await;
-    assert_refused_without_record(&stack, &a, "tampered").await;
+    let sig = sign_hex(b"current", &[br#"{"id":"c"}"#]);
+    let a = deliver(&stack, &[("x-signature", &sig)], r#"{"id":"forged"}"#).await;
+    assert_refused_without_record(&stack, &a, "tampered", "forged").await;
     stack.shutdown().await;
 }

@@ -185,3 +185,118 @@ fn a_callback_route_with_a_token_check_is_refused_with_the_reason() {
         assert!(stderr.contains("never carry"), "{stderr}");
     }
 }
+
+/// `check-config` on `text`: the exit code, stdout and stderr.
+fn check_config(text: &str) -> (Option<i32>, String, String) {
+    let file = write_config(text);
+    let out = idemgate()
+        .args(["check-config", "--config"])
+        .arg(file.path())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_config_refuses_a_zero_body_read_timeout() {
+    let (code, _, stderr) = check_config(
+        r#"
+        [server]
+        body_read_timeout = "0s"
+        [[upstreams]]
+        name = "orders"
+        url = "http://127.0.0.1:9001"
+        [[routes]]
+        name = "all"
+        path_prefix = "/"
+        upstream = "orders"
+        "#,
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("server.body_read_timeout"), "{stderr}");
+    assert!(stderr.contains("\"0s\""), "{stderr}");
+}
+
+#[test]
+fn check_config_refuses_a_header_business_key_on_a_signed_callback_route() {
+    let (code, _, stderr) = check_config(
+        r#"
+        [[upstreams]]
+        name = "payments"
+        url = "http://127.0.0.1:9001"
+        [[routes]]
+        name = "pay-notify"
+        methods = ["POST"]
+        path = "/callbacks/payment"
+        upstream = "payments"
+        kind = "callback"
+        business_key = ["header:X-Msg-Id"]
+        [routes.signature]
+        scheme = "stripe"
+        secrets = ["whsec_test"]
+        "#,
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    for expected in [
+        "routes[0].business_key",
+        "pay-notify",
+        "header:X-Msg-Id",
+        "body only",
+    ] {
+        assert!(
+            stderr.contains(expected),
+            "missing {expected:?} in:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn check_config_warns_about_an_hmac_sha256_callback_route_and_exits_0() {
+    let (code, stdout, stderr) = check_config(
+        r#"
+        [[upstreams]]
+        name = "payments"
+        url = "http://127.0.0.1:9001"
+        [[routes]]
+        name = "pay-notify"
+        methods = ["POST"]
+        path = "/callbacks/payment"
+        upstream = "payments"
+        kind = "callback"
+        business_key = ["json:/trade_no"]
+        [routes.signature]
+        scheme = "hmac-sha256"
+        header = "X-Signature"
+        secrets = ["k"]
+        "#,
+    );
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("ok: 1 route(s)"), "{stdout}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.starts_with("warning: routes[0].signature.scheme"))
+        .unwrap_or_else(|| panic!("no warning in:\n{stderr}"));
+    for expected in ["pay-notify", "hmac-sha256", "timestamp", "retention"] {
+        assert!(
+            warning.contains(expected),
+            "missing {expected:?} in {warning}"
+        );
+    }
+}
+
+#[test]
+fn check_config_prints_no_warning_for_the_shipped_configs() {
+    for path in ["config/idemgate.toml", "config/docker.toml"] {
+        let out = idemgate()
+            .args(["check-config", "--config", path])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{path}: {stderr}");
+        assert!(!stderr.contains("warning:"), "{path}: {stderr}");
+    }
+}

@@ -321,3 +321,231 @@ async fn keys_are_logged_escaped_never_raw() {
     );
     upstream.shutdown().await;
 }
+
+/// A pass-through route (GET, everything) and a protected route (POST,
+/// `Idempotency-Key`) under `/echo`: the demo upstream's `/echo` endpoint
+/// counts and echoes whatever reaches it.
+const PATH_ROUTES: &str = r#"
+    [[routes]]
+    name = "pass"
+    methods = ["GET"]
+    path_prefix = "/"
+    upstream = "demo"
+
+    [[routes]]
+    name = "key"
+    methods = ["POST"]
+    path_prefix = "/echo"
+    upstream = "demo"
+    idempotency = "key"
+"#;
+
+/// Paths that another component could read as a different path (SPEC §4
+/// Always). All but the first live under `/echo`, so that any of them that
+/// got through would reach a counting endpoint of the upstream.
+const AMBIGUOUS_PATHS: &[&str] = &[
+    "/pass/..;/orders",
+    // `;` inside a segment, raw or encoded.
+    "/echo/..;/orders",
+    "/echo/..;x=1/orders",
+    "/echo/.;/orders",
+    "/echo/%2e%2e;/orders",
+    "/echo/%2E%2E;/orders",
+    "/echo/.%2e;/orders",
+    "/echo/..%3b/orders",
+    "/echo/..%3B/orders",
+    "/echo/a;b",
+    // Backslashes, raw or encoded.
+    "/echo/..\\orders",
+    "/echo\\..\\orders",
+    "/echo/..%5corders",
+    "/echo/%5C..%5Corders",
+    // Double encoding.
+    "/echo/%252e%252e/orders",
+    "/echo/%252E%252E/orders",
+    "/echo/%252f",
+    // Encoded slashes.
+    "/echo/..%2forders",
+    "/echo/a%2Fb",
+    // Dot segments in every encoding.
+    "/echo/../orders",
+    "/echo/./orders",
+    "/echo/%2e%2e/orders",
+    "/echo/%2E%2E/orders",
+    "/echo/.%2e/orders",
+    "/echo/%2e./orders",
+    "/echo/%2e/orders",
+    "/echo/%c0%ae%c0%ae/orders",
+    "/echo/..",
+    // Empty segments.
+    "/echo//orders",
+    "//echo",
+];
+
+#[tokio::test]
+async fn ambiguous_paths_are_400_invalid_path_and_never_reach_the_upstream() {
+    let stack = Stack::start(PATH_ROUTES).await;
+    for (i, path) in AMBIGUOUS_PATHS.iter().enumerate() {
+        // Raw bytes: the test client would refuse or normalise some of these.
+        let requests = [
+            (
+                "pass-through",
+                format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"),
+            ),
+            (
+                "protected",
+                format!(
+                    "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: path-{i}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                ),
+            ),
+        ];
+        for (route, request) in requests {
+            let answer = raw(&stack, request.as_bytes(), Duration::from_secs(3)).await;
+            assert!(
+                answer.starts_with("HTTP/1.1 400"),
+                "{route} {path:?}: {answer}"
+            );
+            assert!(
+                answer.contains("application/problem+json"),
+                "{route} {path:?}: {answer}"
+            );
+            assert!(
+                answer.contains("urn:idemgate:problem:invalid-path"),
+                "{route} {path:?}: {answer}"
+            );
+        }
+        assert_eq!(
+            stack.upstream.state.stats().requests,
+            0,
+            "{path:?} reached the upstream"
+        );
+        assert!(
+            stack
+                .gateway
+                .store
+                .find("key", &format!("path-{i}"))
+                .await
+                .unwrap()
+                .is_empty(),
+            "{path:?} left a record"
+        );
+    }
+
+    // The same routes forward ordinary paths, dots inside names and
+    // anything in the query, unchanged.
+    for (path, query) in [
+        ("/echo/a.b/c..d/...x", "q=../;%2f%5c%25//"),
+        ("/echo/a%20b", "x=..%3b"),
+    ] {
+        let url = stack.url(&format!("{path}?{query}"));
+        let a = stack.http.get(&url).await;
+        assert_eq!(a.status, 200, "{path}?{query}");
+        let echo = a.json();
+        assert_eq!(echo["path"], path);
+        assert_eq!(echo["query"], query);
+    }
+    let a = stack
+        .http
+        .send(
+            "POST",
+            &stack.url("/echo/ok%20x"),
+            &[("idempotency-key", "path-ok")],
+            "",
+        )
+        .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["path"], "/echo/ok%20x");
+    assert_eq!(stack.upstream.state.stats().requests, 3);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_client_connection_header_cannot_remove_what_the_gateway_sets() {
+    let stack = Stack::start(PATH_ROUTES).await;
+    // Protected route: the client names the gateway's own headers.
+    let a = stack
+        .http
+        .send(
+            "POST",
+            &stack.url("/echo"),
+            &[
+                ("idempotency-key", "conn-1"),
+                (
+                    "connection",
+                    "idempotency-key, x-request-id, x-forwarded-for",
+                ),
+                ("x-kept", "yes"),
+            ],
+            "{}",
+        )
+        .await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let echo = a.json();
+    let seen = &echo["headers"];
+    let keys = seen["idempotency-key"]
+        .as_array()
+        .expect("no Idempotency-Key forwarded");
+    assert_eq!(keys.len(), 1, "{seen}");
+    let stable = keys[0].as_str().unwrap().to_owned();
+    assert!(stable.starts_with("ig-"), "{seen}");
+    let request_id = seen["x-request-id"][0]
+        .as_str()
+        .expect("no X-Request-Id forwarded");
+    assert_eq!(a.header("x-request-id"), Some(request_id), "{seen}");
+    assert_eq!(seen["x-forwarded-for"][0], "127.0.0.1", "{seen}");
+    assert!(seen["x-forwarded-proto"][0].is_string(), "{seen}");
+    assert_eq!(seen["x-kept"][0], "yes", "{seen}");
+
+    // An ordinary header the client names is hop-by-hop: not forwarded.
+    let a = stack
+        .http
+        .send(
+            "POST",
+            &stack.url("/echo"),
+            &[
+                ("idempotency-key", "conn-2"),
+                ("connection", "x-secret"),
+                ("x-secret", "1"),
+                ("x-kept", "yes"),
+            ],
+            "{}",
+        )
+        .await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let echo = a.json();
+    let seen = &echo["headers"];
+    assert!(seen.get("x-secret").is_none(), "{seen}");
+    assert_eq!(seen["x-kept"][0], "yes", "{seen}");
+    let other = seen["idempotency-key"][0].as_str().unwrap();
+    assert!(other.starts_with("ig-") && other != stable, "{seen}");
+    assert!(seen["x-request-id"][0].is_string(), "{seen}");
+
+    // Pass-through route: the same rule, with the client's own request id
+    // kept and its `Host` still reported as `X-Forwarded-Host`.
+    let a = stack
+        .http
+        .send(
+            "GET",
+            &stack.url("/echo/pass"),
+            &[
+                ("host", "shop.example"),
+                ("x-request-id", "client-rid"),
+                (
+                    "connection",
+                    "x-request-id, x-forwarded-for, x-forwarded-host, x-forwarded-proto, x-secret",
+                ),
+                ("x-secret", "1"),
+            ],
+            "",
+        )
+        .await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let echo = a.json();
+    let seen = &echo["headers"];
+    assert!(seen.get("x-secret").is_none(), "{seen}");
+    assert_eq!(seen["x-request-id"][0], "client-rid", "{seen}");
+    assert_eq!(seen["x-forwarded-for"][0], "127.0.0.1", "{seen}");
+    assert_eq!(seen["x-forwarded-proto"][0], "http", "{seen}");
+    assert_eq!(seen["x-forwarded-host"][0], "shop.example", "{seen}");
+    stack.shutdown().await;
+}

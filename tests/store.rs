@@ -310,21 +310,50 @@ async fn purge_removes_every_scope(backend: Backend, test: &str) {
         );
     }
     assert_eq!(o.store.find("route", "purge-me").await.unwrap().len(), 2);
+    let purged = |removed, held| idemgate::store::sql::Purged { removed, held };
     assert_eq!(
         o.store
             .purge("route", "purge-me", Some("s1"))
             .await
             .unwrap(),
-        1
+        purged(1, 0)
     );
-    assert_eq!(o.store.purge("route", "purge-me", None).await.unwrap(), 1);
+    assert_eq!(
+        o.store.purge("route", "purge-me", None).await.unwrap(),
+        purged(1, 0)
+    );
     let k = RecordKey::new("s2", "route", "purge-me");
+    let Claim::Won { epoch: first } = o.store.claim(&k, "fp", "r").await.unwrap() else {
+        panic!("purged key not reusable")
+    };
+    // A record under a live lease is never purged: a purge must not let a
+    // second request run beside the first.
+    assert_eq!(
+        o.store.purge("route", "purge-me", None).await.unwrap(),
+        purged(0, 1)
+    );
+    assert!(matches!(
+        o.store.claim(&k, "fp", "r2").await.unwrap(),
+        Claim::InFlight { .. }
+    ));
+    // Once finished it may be purged; the key's next record gets a larger
+    // epoch, so the old holder's late writes can never match it.
+    assert!(o.store.release(&k, first).await.unwrap());
+    assert_eq!(
+        o.store.purge("route", "purge-me", None).await.unwrap(),
+        purged(1, 0)
+    );
+    let Claim::Won { epoch: second } = o.store.claim(&k, "fp", "r3").await.unwrap() else {
+        panic!()
+    };
+    assert!(second > first, "epochs only grow: {first} then {second}");
+    assert!(!o.store.release(&k, first).await.unwrap());
+    assert!(!o.store.mark_uncertain(&k, first).await.unwrap());
     assert!(
-        matches!(
-            o.store.claim(&k, "fp", "r").await.unwrap(),
-            Claim::Won { .. }
-        ),
-        "purged key not reusable"
+        !o.store
+            .complete(&k, first, "fp", &response("stale"))
+            .await
+            .unwrap()
     );
 }
 

@@ -3,11 +3,19 @@
 //! Several sources form a composite key (MQ `msgId` + `topic`), joined with
 //! length prefixes (`5:abcde|3:xyz`) so that `a:b` + `c` can never equal
 //! `a` + `b:c`. A JSON value must be a non-empty scalar: strings are taken as
-//! they are, numbers and booleans as their JSON text; objects, arrays and
-//! null are refused (two different objects must never map to one key).
+//! they are, numbers and booleans as their JSON text exactly as written
+//! (`18446744073709551616` and `…617` are two keys, never one rounded
+//! float); objects, arrays and null are refused (two different objects must
+//! never map to one key). A key is at most [`MAX_KEY_BYTES`] bytes with no
+//! control characters: the store's index refuses longer entries and
+//! Postgres refuses NUL, and a refusal there would fail every other claim
+//! batched with it.
 
 use bytes::Bytes;
 use http::request::Parts;
+
+/// The longest business key, in bytes (the composite form included).
+pub const MAX_KEY_BYTES: usize = 255;
 
 /// Where one part of a business key comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,6 +115,9 @@ impl KeySource {
         if value.is_empty() {
             return Err(missing());
         }
+        if value.chars().any(char::is_control) {
+            return Err(invalid("holds a control character"));
+        }
         Ok(value)
     }
 }
@@ -122,14 +133,21 @@ pub fn business_key(
         .iter()
         .map(|s| s.read(parts, &mut json, body))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(match values.as_slice() {
+    let key = match values.as_slice() {
         [single] => single.clone(),
         many => many
             .iter()
             .map(|v| format!("{}:{v}", v.len()))
             .collect::<Vec<_>>()
             .join("|"),
-    })
+    };
+    if key.len() > MAX_KEY_BYTES {
+        return Err(KeyError::Invalid {
+            origin: "the business key".into(),
+            reason: format!("{} bytes, over {MAX_KEY_BYTES}", key.len()),
+        });
+    }
+    Ok(key)
 }
 
 #[cfg(test)]

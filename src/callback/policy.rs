@@ -1,5 +1,6 @@
 //! The policy of `kind = "callback"` routes: verify, then read the business
-//! key from the buffered request. An `Idempotency-Token` is never consulted.
+//! key from the buffered request. An `Idempotency-Token` is never consulted,
+//! and records are scoped by the route, not by a client credential.
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use super::key::{KeySource, business_key};
 use super::signature::Verifier;
 use crate::error::Problem;
 use crate::idempotency::{Head, Policy};
+use crate::store::RecordKey;
 
 /// Reads a callback's business key, after its signature checked out.
 #[derive(Clone)]
@@ -29,8 +31,20 @@ impl CallbackPolicy {
     }
 }
 
+/// The scope of every callback record: the route is the sender, so the
+/// records are the route's, not a credential's (client scopes are
+/// `anonymous` or `c_<hex>`, never this).
+pub const ROUTE_SCOPE: &str = "route";
+
 impl Policy for CallbackPolicy {
     const LAYER: &'static str = "callback";
+
+    fn record_key(&self, _client_scope: String, route: &str, key: String) -> RecordKey {
+        // Providers rotate their credentials between redeliveries (Pub/Sub
+        // OIDC tokens, Event Grid): a redelivery must find the first
+        // delivery's record whatever `Authorization` it carries.
+        RecordKey::new(ROUTE_SCOPE, route, key)
+    }
 
     fn key_in_head(&self, _parts: &Parts, _scope: &str) -> Result<Head, Problem> {
         Ok(Head::FromBody)

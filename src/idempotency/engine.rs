@@ -166,7 +166,7 @@ impl Engine {
                 return forward_plain(inner, Request::from_parts(parts, Body::from(bytes))).await;
             }
         };
-        let key = RecordKey::new(scope, &*self.settings.route, key);
+        let key = policy.record_key(scope, &self.settings.route, key);
         if let Some(refusal) = replay_only {
             return self
                 .replay_or_refuse::<P>(&key, &fingerprint, refusal)

@@ -14,6 +14,7 @@ use tower::{Layer, Service};
 
 use super::engine::Engine;
 use crate::error::Problem;
+use crate::store::RecordKey;
 
 /// What a policy read from the request head.
 #[derive(Debug, Clone)]
@@ -51,6 +52,14 @@ pub trait Policy: Clone + Send + Sync + 'static {
     /// Removes what must not reach the upstream (client credentials such as
     /// the one-time token).
     fn strip(&self, _headers: &mut HeaderMap) {}
+
+    /// Which record a key names (SPEC §1 rule 4): by default the client's
+    /// scope, the route and the key. Policies whose keys are not the
+    /// client's own say otherwise (a callback's sender rotates credentials;
+    /// a token is one action whatever route it is used on).
+    fn record_key(&self, client_scope: String, route: &str, key: String) -> RecordKey {
+        RecordKey::new(client_scope, route, key)
+    }
 }
 
 /// Applies a policy and the engine to a route.

@@ -85,11 +85,31 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// Whether the gateway sets `name` for the upstream itself (the stable
+/// `Idempotency-Key`, `X-Request-Id`, `X-Forwarded-*`, `Forwarded`). By the
+/// time the request is written these hold the gateway's values, not the
+/// client's, so a client's `Connection` must never name them away (SPEC §1
+/// rule 7, §4 Always): listed there, they are ignored as options.
+fn is_set_by_gateway(name: &HeaderName) -> bool {
+    *name == header::FORWARDED
+        || matches!(
+            name.as_str(),
+            "idempotency-key"
+                | "x-request-id"
+                | "x-forwarded-for"
+                | "x-forwarded-proto"
+                | "x-forwarded-host"
+        )
+}
+
 /// The header names `Connection` lists: hop-by-hop for this one message
-/// too. The options `close` and `keep-alive` are skipped (a `Keep-Alive`
-/// header is hop-by-hop anyway). Empty, without allocating, when there is
-/// no `Connection` header: the check is a pass over the names, cheaper than
-/// a hashed lookup.
+/// too, so the client's headers of those names are not forwarded. The
+/// options `close` and `keep-alive` are skipped (a `Keep-Alive` header is
+/// hop-by-hop anyway), and so are the names the gateway sets itself
+/// ([`is_set_by_gateway`]): a client cannot strip the gateway's own
+/// headers. Empty, without allocating, when there is no `Connection`
+/// header: the check is a pass over the names, cheaper than a hashed
+/// lookup.
 fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
     if !headers.keys().any(|name| *name == header::CONNECTION) {
         return Vec::new();
@@ -102,14 +122,17 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
         .map(str::trim)
         .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
         .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
+        .filter(|name| !is_set_by_gateway(name))
         .collect()
 }
 
 /// Writes the request's header lines as the upstream gets them, straight
 /// from the client's header map (no copy of the map, no removals):
-/// hop-by-hop headers and those `Connection` names are left out; the client
-/// is appended to `X-Forwarded-For`; `Host` becomes `X-Forwarded-Host` (the
-/// wire codec writes `Host` as the upstream's authority);
+/// hop-by-hop headers and those `Connection` names are left out (never the
+/// gateway's own `Idempotency-Key`, `X-Request-Id` or `X-Forwarded-*`,
+/// whatever `Connection` lists); the client is appended to
+/// `X-Forwarded-For`; `Host` becomes `X-Forwarded-Host` (the wire codec
+/// writes `Host` as the upstream's authority);
 /// `X-Forwarded-Proto` is `http`. `Content-Length` is left out because the
 /// codec frames the body it actually sends, and `Expect` because the
 /// gateway already answered `100-continue` and sends the body without
@@ -234,6 +257,90 @@ mod tests {
             String::from_utf8(written).unwrap(),
             "x-forwarded-for: 10.0.0.1, 10.0.0.2, 127.0.0.1\r\n\
              x-forwarded-proto: http\r\nx-forwarded-host: shop.example\r\n"
+        );
+    }
+
+    #[test]
+    fn connection_never_names_what_the_gateway_sets() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            "Idempotency-Key, X-Request-Id, x-forwarded-for, keep-alive"
+                .parse()
+                .unwrap(),
+        );
+        h.append(
+            header::CONNECTION,
+            "X-Forwarded-Proto, x-forwarded-host, Forwarded, X-Secret, close"
+                .parse()
+                .unwrap(),
+        );
+        assert_eq!(
+            connection_named(&h),
+            vec![HeaderName::from_static("x-secret")]
+        );
+        for name in [
+            "idempotency-key",
+            "x-request-id",
+            "x-forwarded-for",
+            "x-forwarded-proto",
+            "x-forwarded-host",
+            "forwarded",
+        ] {
+            assert!(is_set_by_gateway(&HeaderName::from_static(name)), "{name}");
+        }
+        for name in ["x-secret", "idempotency-token", "x-forwarded", "connection"] {
+            assert!(!is_set_by_gateway(&HeaderName::from_static(name)), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_client_connection_header_cannot_remove_the_gateways_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            "idempotency-key, x-request-id, x-forwarded-for"
+                .parse()
+                .unwrap(),
+        );
+        h.append(
+            header::CONNECTION,
+            "x-forwarded-proto, x-forwarded-host, x-secret"
+                .parse()
+                .unwrap(),
+        );
+        // As the engine and the request id layer leave them: the stable key
+        // and the request id are the gateway's values by now.
+        h.insert("idempotency-key", "ig-stable".parse().unwrap());
+        h.insert("x-request-id", "rid-1".parse().unwrap());
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert(header::HOST, "shop.example".parse().unwrap());
+        let client = ClientAddr::new("127.0.0.1:9".parse().unwrap());
+        let mut written = Vec::new();
+        write_request_headers(&mut written, &h, Some(&client));
+        assert_eq!(
+            String::from_utf8(written).unwrap(),
+            "idempotency-key: ig-stable\r\nx-request-id: rid-1\r\n\
+             x-forwarded-for: 127.0.0.1\r\nx-forwarded-proto: http\r\n\
+             x-forwarded-host: shop.example\r\n"
+        );
+    }
+
+    #[test]
+    fn an_ordinary_header_named_by_connection_is_still_dropped() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            "x-request-id, X-Secret".parse().unwrap(),
+        );
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert("x-request-id", "rid-2".parse().unwrap());
+        h.insert("x-kept", "yes".parse().unwrap());
+        let mut written = Vec::new();
+        write_request_headers(&mut written, &h, None);
+        assert_eq!(
+            String::from_utf8(written).unwrap(),
+            "x-request-id: rid-2\r\nx-kept: yes\r\nx-forwarded-proto: http\r\n"
         );
     }
 }

@@ -48,6 +48,7 @@ struct Idle {
 pub struct Pool {
     authority: String,
     idle: Mutex<Vec<Idle>>,
+    connect_timeout: Duration,
 }
 
 impl Pool {
@@ -55,9 +56,19 @@ impl Pool {
     /// tokio runtime, a reaper task closes idle connections past
     /// [`POOL_IDLE_TIMEOUT`]; it ends when the pool is dropped.
     pub fn new(authority: String) -> Arc<Pool> {
+        Self::with_connect_timeout(authority, CONNECT_TIMEOUT)
+    }
+
+    /// A pool whose connects give up after `connect_timeout` (at most
+    /// [`CONNECT_TIMEOUT`]). A route's upstream timeout bounds the whole
+    /// exchange; the connect must fail before it does, so that a request
+    /// that never left is reported as never sent (its claim released), not
+    /// as an uncertain timeout.
+    pub fn with_connect_timeout(authority: String, connect_timeout: Duration) -> Arc<Pool> {
         let pool = Arc::new(Pool {
             authority,
             idle: Mutex::new(Vec::new()),
+            connect_timeout: connect_timeout.min(CONNECT_TIMEOUT),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(reap(Arc::downgrade(&pool)));
@@ -117,7 +128,7 @@ impl Pool {
             }
             Err(last)
         };
-        let stream = tokio::time::timeout(CONNECT_TIMEOUT, attempt)
+        let stream = tokio::time::timeout(self.connect_timeout, attempt)
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
         Ok(Conn {

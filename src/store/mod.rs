@@ -28,6 +28,7 @@ pub mod held;
 pub mod memory;
 pub mod redis;
 pub mod sql;
+mod statements;
 pub mod sweep;
 pub mod tiered;
 
@@ -60,10 +61,20 @@ impl RecordKey {
         }
     }
 
-    /// The key escaped for logs (never log a client's key raw).
+    /// The key as logs show it: never raw (SPEC §5), see [`key_ref`].
     pub fn escaped(&self) -> String {
-        self.key.escape_debug().to_string()
+        key_ref(&self.key)
     }
+}
+
+/// How logs name a client's key: its first 4 characters, escaped, and a
+/// short hash of the whole (`abcd…#1a2b3c4d`). Enough to tell keys apart
+/// and to match `keys show` output, never enough to reuse the key.
+pub fn key_ref(key: &str) -> String {
+    use sha2::Digest;
+    let hash = sha2::Sha256::digest(key.as_bytes());
+    let prefix: String = key.chars().take(4).collect();
+    format!("{}…#{}", prefix.escape_debug(), hex::encode(&hash[..4]))
 }
 
 /// Where a record stands.
@@ -124,6 +135,9 @@ pub struct Record {
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
     pub expires_at_ms: i64,
+    /// The database's clock when the record was read: leases and expiries
+    /// are judged against it, never against this gateway's clock.
+    pub read_at_ms: i64,
 }
 
 /// What a claim found.
@@ -246,9 +260,16 @@ fn fast_layer(
 }
 
 impl Record {
+    /// Whether the record is held under a live lease (by the database's
+    /// clock when it was read).
+    pub fn is_held(&self) -> bool {
+        self.state == RecordState::InFlight && self.lease_until_ms > self.read_at_ms
+    }
+
     /// The record for operators (`idemgate keys show`, `/admin/keys`):
     /// state, epoch, lease, fingerprint, stored status and ages.
-    pub fn describe(&self, now: i64) -> serde_json::Value {
+    pub fn describe(&self) -> serde_json::Value {
+        let now = self.read_at_ms;
         let age = |ms: i64| format!("{:.1}s", (now - ms) as f64 / 1000.0);
         let left = |ms: i64| format!("{:.1}s", (ms - now) as f64 / 1000.0);
         serde_json::json!({

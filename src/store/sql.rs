@@ -15,6 +15,9 @@
 //!   AND state = 'in_flight'`. A holder whose lease was taken over finds zero
 //!   rows: its late write is refused (fencing).
 //!
+//! The statements themselves ([`super::statements`]) read the database's
+//! clock: leases and expiries never depend on a gateway's clock.
+//!
 //! SQLite runs on one connection: its writers serialise anyway, and a single
 //! connection never meets `SQLITE_BUSY` from its own pool. The one
 //! multi-statement transaction (archiving) uses `BEGIN IMMEDIATE`, because a
@@ -33,7 +36,8 @@ use sqlx::{Connection, Row};
 
 use super::codec::{decode_headers, encode_headers};
 use super::held::HeldConnection;
-use super::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse, after_ms};
+use super::statements::{POSTGRES, SQLITE, Statements, millis};
+use super::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse};
 
 /// Rows moved per sweep statement: small enough that a sweep never holds
 /// locks for long, large enough to keep up.
@@ -77,93 +81,6 @@ fn server_side_bound(timeout: Duration) -> Duration {
 /// A pooled Postgres connection idle longer than this is pinged before use
 /// (one that died meanwhile is replaced instead of failing a batch).
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
-
-const CLAIM_INSERT: &str = "INSERT INTO idempotency_records \
-     (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, created_at, updated_at, expires_at, body_kept) \
-     VALUES ($1, $2, $3, $4, 'in_flight', 1, $5, $6, $7, $7, $8, FALSE) \
-     ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING epoch";
-
-const CLAIM_INSERT_MANY_PG: &str = "INSERT INTO idempotency_records \
-     (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, created_at, updated_at, expires_at, body_kept) \
-     SELECT v.scope, v.route, v.idem_key, v.fingerprint, 'in_flight', 1, v.lease_until, v.request_id, v.now, v.now, v.expires, FALSE \
-     FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[], $7::int8[], $8::int8[]) \
-          AS v(scope, route, idem_key, fingerprint, lease_until, request_id, now, expires) \
-     ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING scope, route, idem_key";
-
-// Takes over a record that may be claimed again. Retention-expired and
-// released records take any fingerprint (the key is free again); uncertain
-// and lease-expired ones only the same request.
-const CLAIM_TAKEOVER: &str = "UPDATE idempotency_records SET \
-     epoch = epoch + 1, state = 'in_flight', fingerprint = $4, lease_until = $5, request_id = $6, \
-     created_at = CASE WHEN expires_at <= $7 OR state = 'released' THEN $7 ELSE created_at END, \
-     updated_at = $7, expires_at = $8, status = NULL, headers = NULL, body = NULL, body_kept = FALSE \
-     WHERE scope = $1 AND route = $2 AND idem_key = $3 AND ( \
-       (expires_at <= $7 AND NOT (state = 'in_flight' AND lease_until > $7)) OR state = 'released' \
-       OR (fingerprint = $4 AND (state = 'uncertain' OR (state = 'in_flight' AND lease_until <= $7))) \
-     ) RETURNING epoch";
-
-const SELECT_ONE: &str = "SELECT fingerprint, state, epoch, lease_until, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, scope, route, idem_key \
-     FROM idempotency_records WHERE scope = $1 AND route = $2 AND idem_key = $3";
-
-const SELECT_BY_ROUTE_KEY: &str = "SELECT fingerprint, state, epoch, lease_until, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, scope, route, idem_key \
-     FROM idempotency_records WHERE route = $1 AND idem_key = $2 ORDER BY scope";
-
-// Leaves every indexed column alone (HOT-eligible on Postgres): retention
-// counts from the claim.
-const COMPLETE: &str = "UPDATE idempotency_records SET \
-     state = 'completed', status = $5, headers = $6, body = $7, body_kept = $8, request_id = $9, \
-     lease_until = 0, updated_at = $10 \
-     WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
-
-// Many completions in one statement: one round trip and one commit for a
-// whole batch. Each row still needs its own epoch to match (fencing).
-const COMPLETE_MANY_PG: &str = "UPDATE idempotency_records AS r SET \
-     state = 'completed', status = v.status, headers = v.headers, body = v.body, \
-     body_kept = v.body_kept, request_id = v.request_id, lease_until = 0, \
-     updated_at = v.now \
-     FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::int4[], $6::bytea[], \
-                 $7::bytea[], $8::bool[], $9::text[], $10::int8[]) \
-          AS v(scope, route, idem_key, epoch, status, headers, body, body_kept, request_id, now) \
-     WHERE r.scope = v.scope AND r.route = v.route AND r.idem_key = v.idem_key \
-       AND r.epoch = v.epoch AND r.state = 'in_flight' \
-     RETURNING r.scope, r.route, r.idem_key";
-
-const SET_STATE: &str = "UPDATE idempotency_records SET state = $5, lease_until = 0, updated_at = $6 \
-     WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
-
-const RENEW: &str = "UPDATE idempotency_records SET lease_until = $5 \
-     WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 AND state = 'in_flight'";
-
-const PURGE_ONE: &str =
-    "DELETE FROM idempotency_records WHERE scope = $1 AND route = $2 AND idem_key = $3";
-const PURGE_ALL_SCOPES: &str = "DELETE FROM idempotency_records WHERE route = $1 AND idem_key = $2";
-
-// A row is sweepable once its retention is over, unless it is still held
-// under a live lease. The condition is repeated in the outer statement so
-// that Postgres re-checks it on a row a concurrent takeover just renewed.
-const SWEEP_DELETE: &str = "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
-       SELECT route, idem_key, scope FROM idempotency_records \
-       WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
-       ORDER BY expires_at LIMIT $2) \
-     AND expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1)";
-
-const SWEEP_ARCHIVE_PG: &str = "WITH moved AS ( \
-       DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
-         SELECT route, idem_key, scope FROM idempotency_records \
-         WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
-         ORDER BY expires_at LIMIT $2) \
-       AND expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
-       RETURNING scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at) \
-     INSERT INTO idempotency_archive (scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, archived_at) \
-     SELECT scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, $1 FROM moved";
-
-const SWEEP_ARCHIVE_COPY_SQLITE: &str = "INSERT INTO idempotency_archive \
-     (scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, archived_at) \
-     SELECT scope, route, idem_key, fingerprint, state, epoch, request_id, status, headers, body, body_kept, created_at, updated_at, expires_at, $1 \
-     FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
-       SELECT route, idem_key, scope FROM idempotency_records \
-       WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND lease_until > $1) \
-       ORDER BY expires_at LIMIT $2)";
 
 const COUNT_ARCHIVE: &str = "SELECT COUNT(*) FROM idempotency_archive";
 
@@ -338,13 +255,20 @@ impl SqlStore {
         .await
     }
 
+    /// This database's statements.
+    fn sql(&self) -> &'static Statements {
+        match self.pool {
+            Pool::Postgres(_) => &POSTGRES,
+            Pool::Sqlite(_) => &SQLITE,
+        }
+    }
+
     /// Claims `key` for a request with `fingerprint` (see the module docs).
     pub async fn claim(
         &self,
         key: &RecordKey,
         fingerprint: &str,
         request_id: &str,
-        now: i64,
         lease: Duration,
         retention: Duration,
     ) -> Result<Claim, StoreError> {
@@ -352,7 +276,6 @@ impl SqlStore {
             key: key.clone(),
             fingerprint: fingerprint.to_owned(),
             request_id: request_id.to_owned(),
-            now,
             lease,
             retention,
         };
@@ -361,11 +284,11 @@ impl SqlStore {
         // Not a batch writer: a connection of its own, returned at the end.
         let unbatched = HeldConnection::default();
         for _ in 0..3 {
-            if self
+            if let Some(epoch) = self
                 .insert_claims(std::slice::from_ref(&job), &unbatched)
                 .await?[0]
             {
-                return Ok(Claim::Won { epoch: 1 });
+                return Ok(Claim::Won { epoch });
             }
             if let Some(claim) = self.claim_existing(&job).await? {
                 return Ok(claim);
@@ -378,84 +301,100 @@ impl SqlStore {
     }
 
     /// The fresh-key half of a claim, for many keys at once: one
-    /// `INSERT … ON CONFLICT DO NOTHING` (one commit). True where the row
-    /// was inserted, i.e. the claim was won with epoch 1. A key twice in one
-    /// batch is inserted for its first job only; the second then meets the
-    /// row like any duplicate.
+    /// `INSERT … ON CONFLICT DO NOTHING` (one commit). The epoch where the
+    /// row was inserted, i.e. the claim was won. A key twice in one batch
+    /// is inserted for its first job only; the second then meets the row
+    /// like any duplicate.
     pub async fn insert_claims(
         &self,
         batch: &[NewClaim],
         held: &HeldConnection,
-    ) -> Result<Vec<bool>, StoreError> {
+    ) -> Result<Vec<Option<i64>>, StoreError> {
+        let Some(first) = batch.first() else {
+            return Ok(Vec::new());
+        };
+        // One store, one lease and retention: the batch shares them.
+        let (lease, retention) = (millis(first.lease), millis(first.retention));
         match &self.pool {
             Pool::Postgres(pool) if batch.len() > 1 => {
                 let mut columns = PgClaimColumns::default();
                 let mut seen = std::collections::HashSet::new();
-                let mut first = Vec::with_capacity(batch.len());
+                let mut fresh = Vec::with_capacity(batch.len());
                 for c in batch {
-                    let fresh = seen.insert(&c.key);
-                    first.push(fresh);
-                    if fresh {
+                    let new = seen.insert(&c.key);
+                    fresh.push(new);
+                    if new {
                         columns.push(c);
                     }
                 }
-                let query = sqlx::query(CLAIM_INSERT_MANY_PG)
+                let query = sqlx::query(self.sql().claim_insert_many.as_str())
                     .bind(&columns.scope)
                     .bind(&columns.route)
                     .bind(&columns.key)
                     .bind(&columns.fingerprint)
-                    .bind(&columns.lease_until)
+                    .bind(lease)
                     .bind(&columns.request_id)
-                    .bind(&columns.now)
-                    .bind(&columns.expires);
-                let inserted = self.batch_keys("claim", pool, held, query).await?;
+                    .bind(retention);
+                let inserted = self
+                    .bounded(
+                        "claim",
+                        self.on_batch_connection(pool, held, async move |conn| {
+                            let rows = query.fetch_all(conn).await?;
+                            rows.iter()
+                                .map(|row| Ok((returned_key(row)?, row.try_get::<i64, _>(3)?)))
+                                .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
+                        }),
+                    )
+                    .await?;
                 Ok(batch
                     .iter()
-                    .zip(first)
-                    .map(|(c, first)| first && inserted.contains(&c.key))
+                    .zip(fresh)
+                    .map(|(c, fresh)| fresh.then(|| inserted.get(&c.key).copied()).flatten())
                     .collect())
             }
             Pool::Postgres(pool) => {
-                let c = &batch[0];
-                let won = self
+                let c = first;
+                let statement = self.sql().claim_insert.as_str();
+                let epoch = self
                     .bounded(
                         "claim",
                         self.on_batch_connection(pool, held, async |conn| {
-                            sqlx::query(CLAIM_INSERT)
+                            sqlx::query(statement)
                                 .bind(&c.key.scope)
                                 .bind(&c.key.route)
                                 .bind(&c.key.key)
                                 .bind(&c.fingerprint)
-                                .bind(after_ms(c.now, c.lease))
+                                .bind(lease)
                                 .bind(&c.request_id)
-                                .bind(c.now)
-                                .bind(after_ms(c.now, c.retention))
+                                .bind(retention)
                                 .fetch_optional(conn)
-                                .await
+                                .await?
+                                .map(|row| row.try_get::<i64, _>(0))
+                                .transpose()
                         }),
                     )
                     .await?;
-                Ok(vec![won.is_some()])
+                Ok(vec![epoch])
             }
             Pool::Sqlite(pool) => {
                 // One write transaction, one fsync, for the whole batch.
+                let statement = self.sql().claim_insert.as_str();
                 self.bounded("claim", async {
                     let mut conn = pool.acquire().await?;
                     let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
                     let mut won = Vec::with_capacity(batch.len());
                     for c in batch {
-                        let row = sqlx::query(CLAIM_INSERT)
+                        let row = sqlx::query(statement)
                             .bind(&c.key.scope)
                             .bind(&c.key.route)
                             .bind(&c.key.key)
                             .bind(&c.fingerprint)
-                            .bind(after_ms(c.now, c.lease))
+                            .bind(lease)
                             .bind(&c.request_id)
-                            .bind(c.now)
-                            .bind(after_ms(c.now, c.retention))
+                            .bind(retention)
                             .fetch_optional(&mut *tx)
                             .await?;
-                        won.push(row.is_some());
+                        won.push(row.map(|r| r.try_get::<i64, _>(0)).transpose()?);
                     }
                     tx.commit().await?;
                     Ok(won)
@@ -469,14 +408,13 @@ impl SqlStore {
     /// taken, else read it to answer. `None` when the row vanished.
     pub async fn claim_existing(&self, c: &NewClaim) -> Result<Option<Claim>, StoreError> {
         let key = &c.key;
-        let lease_until = after_ms(c.now, c.lease);
-        let expires_at = after_ms(c.now, c.retention);
+        let statement = self.sql().claim_takeover.as_str();
         let taken: Option<i64> = self
             .bounded("claim", async {
                 with_pool!(self, pool => {
-                    sqlx::query(CLAIM_TAKEOVER)
+                    sqlx::query(statement)
                         .bind(&key.scope).bind(&key.route).bind(&key.key).bind(&c.fingerprint)
-                        .bind(lease_until).bind(&c.request_id).bind(c.now).bind(expires_at)
+                        .bind(millis(c.lease)).bind(&c.request_id).bind(millis(c.retention))
                         .fetch_optional(pool).await
                         .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
                 })
@@ -488,15 +426,16 @@ impl SqlStore {
         Ok(self
             .get(key)
             .await?
-            .map(|record| answer_for(&record, &c.fingerprint, c.now)))
+            .map(|record| answer_for(&record, &c.fingerprint)))
     }
 
     /// Reads one record.
     pub async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let statement = self.sql().select_one.as_str();
         let row = self
             .bounded("get", async {
                 with_pool!(self, pool => {
-                    match sqlx::query(SELECT_ONE)
+                    match sqlx::query(statement)
                         .bind(&key.scope).bind(&key.route).bind(&key.key)
                         .fetch_optional(pool).await?
                     {
@@ -511,10 +450,11 @@ impl SqlStore {
 
     /// Every record of `route` and `key`, whatever the client scope.
     pub async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
+        let statement = self.sql().select_by_route_key.as_str();
         let rows = self
             .bounded("find", async {
                 with_pool!(self, pool => {
-                    let rows = sqlx::query(SELECT_BY_ROUTE_KEY)
+                    let rows = sqlx::query(statement)
                         .bind(route).bind(key)
                         .fetch_all(pool).await?;
                     rows.iter().map(RawRecord::read).collect::<Result<Vec<_>, _>>()
@@ -530,19 +470,16 @@ impl SqlStore {
         key: &RecordKey,
         epoch: i64,
         response: &StoredResponse,
-        now: i64,
-        retention: Duration,
     ) -> Result<bool, StoreError> {
         let headers = encode_headers(&response.headers);
-        let _ = retention; // retention counts from the claim (see COMPLETE)
         let status = i32::from(response.status);
+        let statement = self.sql().complete.as_str();
         self.bounded("complete", async {
             with_pool!(self, pool => {
-                sqlx::query(COMPLETE)
+                sqlx::query(statement)
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
                     .bind(status).bind(&headers).bind(response.body.as_ref())
                     .bind(response.body_kept).bind(&response.request_id)
-                    .bind(now)
                     .execute(pool).await.map(|r| r.rows_affected() == 1)
             })
         })
@@ -562,7 +499,7 @@ impl SqlStore {
                 for c in batch {
                     columns.push(c);
                 }
-                let query = sqlx::query(COMPLETE_MANY_PG)
+                let query = sqlx::query(self.sql().complete_many.as_str())
                     .bind(&columns.scope)
                     .bind(&columns.route)
                     .bind(&columns.key)
@@ -571,20 +508,20 @@ impl SqlStore {
                     .bind(&columns.headers)
                     .bind(&columns.body)
                     .bind(&columns.body_kept)
-                    .bind(&columns.request_id)
-                    .bind(&columns.now);
+                    .bind(&columns.request_id);
                 let done = self.batch_keys("complete", pool, held, query).await?;
                 Ok(batch.iter().map(|c| done.contains(&c.key)).collect())
             }
             Pool::Sqlite(pool) => {
                 // One write transaction, one fsync, for the whole batch.
+                let statement = self.sql().complete.as_str();
                 self.bounded("complete", async {
                     let mut conn = pool.acquire().await?;
                     let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
                     let mut accepted = Vec::with_capacity(batch.len());
                     for c in batch {
                         let headers = encode_headers(&c.response.headers);
-                        let rows = sqlx::query(COMPLETE)
+                        let rows = sqlx::query(statement)
                             .bind(&c.key.scope)
                             .bind(&c.key.route)
                             .bind(&c.key.key)
@@ -594,7 +531,6 @@ impl SqlStore {
                             .bind(c.response.body.as_ref())
                             .bind(c.response.body_kept)
                             .bind(&c.response.request_id)
-                            .bind(c.now)
                             .execute(&mut *tx)
                             .await?
                             .rows_affected();
@@ -610,19 +546,14 @@ impl SqlStore {
 
     /// Gives the claim up (nothing happened upstream); false when `epoch`
     /// no longer holds it.
-    pub async fn release(&self, key: &RecordKey, epoch: i64, now: i64) -> Result<bool, StoreError> {
-        self.set_state(key, epoch, RecordState::Released, now, "release")
+    pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        self.set_state(key, epoch, RecordState::Released, "release")
             .await
     }
 
     /// Records that the outcome is unknown; the next retry may take over.
-    pub async fn mark_uncertain(
-        &self,
-        key: &RecordKey,
-        epoch: i64,
-        now: i64,
-    ) -> Result<bool, StoreError> {
-        self.set_state(key, epoch, RecordState::Uncertain, now, "mark_uncertain")
+    pub async fn mark_uncertain(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        self.set_state(key, epoch, RecordState::Uncertain, "mark_uncertain")
             .await
     }
 
@@ -631,77 +562,90 @@ impl SqlStore {
         key: &RecordKey,
         epoch: i64,
         state: RecordState,
-        now: i64,
         op: &'static str,
     ) -> Result<bool, StoreError> {
+        let statement = self.sql().set_state.as_str();
         self.bounded(op, async {
             with_pool!(self, pool => {
-                sqlx::query(SET_STATE)
+                sqlx::query(statement)
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
-                    .bind(state.as_str()).bind(now)
+                    .bind(state.as_str())
                     .execute(pool).await.map(|r| r.rows_affected() == 1)
             })
         })
         .await
     }
 
-    /// Extends a running claim's lease; false when it was taken over.
+    /// Extends a running claim's lease to `lease` from now (the database's
+    /// now); false when it was taken over.
     pub async fn renew(
         &self,
         key: &RecordKey,
         epoch: i64,
-        lease_until: i64,
+        lease: Duration,
     ) -> Result<bool, StoreError> {
+        let statement = self.sql().renew.as_str();
         self.bounded("renew", async {
             with_pool!(self, pool => {
-                sqlx::query(RENEW)
+                sqlx::query(statement)
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
-                    .bind(lease_until)
+                    .bind(millis(lease))
                     .execute(pool).await.map(|r| r.rows_affected() == 1)
             })
         })
         .await
     }
 
-    /// Deletes one record, or with `scope = None` the key in every scope.
+    /// Deletes one record, or with `scope = None` the key in every scope —
+    /// except a record held under a live lease, which is never purged (a
+    /// purge must not let a second request run beside the first).
     pub async fn purge(
         &self,
         route: &str,
         key: &str,
         scope: Option<&str>,
-    ) -> Result<u64, StoreError> {
-        self.bounded("purge", async {
-            with_pool!(self, pool => {
-                match scope {
-                    Some(scope) => sqlx::query(PURGE_ONE).bind(scope).bind(route).bind(key)
-                        .execute(pool).await,
-                    None => sqlx::query(PURGE_ALL_SCOPES).bind(route).bind(key)
-                        .execute(pool).await,
-                }
-                .map(|r| r.rows_affected())
+    ) -> Result<Purged, StoreError> {
+        let statements = self.sql();
+        let removed = self
+            .bounded("purge", async {
+                with_pool!(self, pool => {
+                    match scope {
+                        Some(scope) => sqlx::query(statements.purge_one.as_str())
+                            .bind(scope).bind(route).bind(key)
+                            .execute(pool).await,
+                        None => sqlx::query(statements.purge_all_scopes.as_str())
+                            .bind(route).bind(key)
+                            .execute(pool).await,
+                    }
+                    .map(|r| r.rows_affected())
+                })
             })
-        })
-        .await
+            .await?;
+        let held = self
+            .find(route, key)
+            .await?
+            .iter()
+            .filter(|r| scope.is_none_or(|s| r.key.scope == s) && r.is_held())
+            .count() as u64;
+        Ok(Purged { removed, held })
     }
 
     /// Removes (or archives) one batch of expired records; returns how many.
-    pub async fn sweep_batch(&self, now: i64, archive: bool) -> Result<u64, StoreError> {
+    pub async fn sweep_batch(&self, archive: bool) -> Result<u64, StoreError> {
+        let statements = self.sql();
         self.bounded("sweep", async {
             match (&self.pool, archive) {
-                (Pool::Postgres(pool), false) => sqlx::query(SWEEP_DELETE)
-                    .bind(now)
+                (Pool::Postgres(pool), false) => sqlx::query(statements.sweep_delete.as_str())
                     .bind(SWEEP_BATCH)
                     .execute(pool)
                     .await
                     .map(|r| r.rows_affected()),
-                (Pool::Postgres(pool), true) => sqlx::query(SWEEP_ARCHIVE_PG)
-                    .bind(now)
+                (Pool::Postgres(pool), true) => sqlx::query(statements.sweep_archive_pg.as_str())
                     .bind(SWEEP_BATCH)
                     .execute(pool)
                     .await
                     .map(|r| r.rows_affected()),
-                (Pool::Sqlite(pool), false) => sqlx::query(SWEEP_DELETE)
-                    .bind(now)
+                (Pool::Sqlite(pool), false) => sqlx::query(statements.sweep_delete.as_str())
                     .bind(SWEEP_BATCH)
                     .execute(pool)
                     .await
@@ -712,14 +656,12 @@ impl SqlStore {
                     // no other writer can run until COMMIT.
                     let mut conn = pool.acquire().await?;
                     let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-                    let copied = sqlx::query(SWEEP_ARCHIVE_COPY_SQLITE)
-                        .bind(now)
+                    let copied = sqlx::query(statements.sweep_archive_copy_sqlite.as_str())
                         .bind(SWEEP_BATCH)
                         .execute(&mut *tx)
                         .await?
                         .rows_affected();
-                    sqlx::query(SWEEP_DELETE)
-                        .bind(now)
+                    sqlx::query(statements.sweep_delete.as_str())
                         .bind(SWEEP_BATCH)
                         .execute(&mut *tx)
                         .await?;
@@ -742,13 +684,21 @@ impl SqlStore {
     }
 }
 
+/// What a purge did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Purged {
+    /// Records deleted.
+    pub removed: u64,
+    /// Records left because they are held under a live lease.
+    pub held: u64,
+}
+
 /// One claim of a key, as [`SqlStore::insert_claims`] takes it.
 #[derive(Debug, Clone)]
 pub struct NewClaim {
     pub key: RecordKey,
     pub fingerprint: String,
     pub request_id: String,
-    pub now: i64,
     pub lease: Duration,
     pub retention: Duration,
 }
@@ -759,10 +709,7 @@ struct PgClaimColumns {
     route: Vec<String>,
     key: Vec<String>,
     fingerprint: Vec<String>,
-    lease_until: Vec<i64>,
     request_id: Vec<String>,
-    now: Vec<i64>,
-    expires: Vec<i64>,
 }
 
 impl PgClaimColumns {
@@ -771,10 +718,7 @@ impl PgClaimColumns {
         self.route.push(c.key.route.clone());
         self.key.push(c.key.key.clone());
         self.fingerprint.push(c.fingerprint.clone());
-        self.lease_until.push(after_ms(c.now, c.lease));
         self.request_id.push(c.request_id.clone());
-        self.now.push(c.now);
-        self.expires.push(after_ms(c.now, c.retention));
     }
 }
 
@@ -784,8 +728,6 @@ pub struct Completion {
     pub key: RecordKey,
     pub epoch: i64,
     pub response: StoredResponse,
-    pub now: i64,
-    pub retention: Duration,
 }
 
 /// A batch as Postgres arrays, one per column.
@@ -800,7 +742,6 @@ struct PgColumns {
     body: Vec<Vec<u8>>,
     body_kept: Vec<bool>,
     request_id: Vec<String>,
-    now: Vec<i64>,
 }
 
 impl PgColumns {
@@ -814,34 +755,34 @@ impl PgColumns {
         self.body.push(c.response.body.to_vec());
         self.body_kept.push(c.response.body_kept);
         self.request_id.push(c.response.request_id.clone());
-        self.now.push(c.now);
     }
+}
+
+/// The record a batched `… RETURNING scope, route, idem_key` row names.
+fn returned_key(row: &sqlx::postgres::PgRow) -> Result<RecordKey, sqlx::Error> {
+    Ok(RecordKey {
+        scope: row.try_get(0)?,
+        route: row.try_get(1)?,
+        key: row.try_get(2)?,
+    })
 }
 
 /// The records a batched `… RETURNING scope, route, idem_key` touched.
 fn returned_keys(
     rows: &[sqlx::postgres::PgRow],
 ) -> Result<std::collections::HashSet<RecordKey>, sqlx::Error> {
-    rows.iter()
-        .map(|row| {
-            Ok(RecordKey {
-                scope: row.try_get(0)?,
-                route: row.try_get(1)?,
-                key: row.try_get(2)?,
-            })
-        })
-        .collect()
+    rows.iter().map(returned_key).collect()
 }
 
 /// What a claim answers when the record exists and could not be taken.
-fn answer_for(record: &Record, fingerprint: &str, now: i64) -> Claim {
+fn answer_for(record: &Record, fingerprint: &str) -> Claim {
     if record.fingerprint != fingerprint {
         return Claim::Mismatch;
     }
     match (&record.state, &record.response) {
         (RecordState::Completed, Some(response)) => Claim::Completed(response.clone()),
         _ => {
-            let left = (record.lease_until_ms - now).max(0) as u64;
+            let left = (record.lease_until_ms - record.read_at_ms).max(0) as u64;
             Claim::InFlight {
                 retry_after: Duration::from_millis(left),
             }
@@ -866,6 +807,7 @@ struct RawRecord {
     scope: String,
     route: String,
     key: String,
+    read_at: i64,
 }
 
 impl RawRecord {
@@ -895,6 +837,7 @@ impl RawRecord {
             scope: row.try_get(12)?,
             route: row.try_get(13)?,
             key: row.try_get(14)?,
+            read_at: row.try_get(15)?,
         })
     }
 
@@ -927,6 +870,7 @@ impl RawRecord {
             created_at_ms: self.created_at,
             updated_at_ms: self.updated_at,
             expires_at_ms: self.expires_at,
+            read_at_ms: self.read_at,
         })
     }
 }

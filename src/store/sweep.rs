@@ -8,16 +8,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::StoreError;
 use super::memory::MemoryLayer;
 use super::sql::{SWEEP_BATCH, SqlStore};
-use super::{StoreError, now_ms};
 
 /// Runs batches until one comes back short; returns the rows removed.
 pub async fn sweep_once(sql: &SqlStore, archive: bool) -> Result<u64, StoreError> {
-    let now = now_ms();
     let mut total = 0;
     loop {
-        let moved = sql.sweep_batch(now, archive).await?;
+        let moved = sql.sweep_batch(archive).await?;
         total += moved;
         if moved < SWEEP_BATCH as u64 {
             return Ok(total);

@@ -29,8 +29,12 @@ use super::codec::FastEntry;
 use super::fast::FastLayer;
 use super::held::HeldConnection;
 use super::sql::{Completion, NewClaim, SqlStore};
-use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
+use super::{Claim, Record, RecordKey, StoreError, StoredResponse};
 use crate::metrics::Metrics;
+
+/// Where token records live (kept equal to [`crate::token::TOKEN_RECORDS`]
+/// by a test; the store does not depend on the token module).
+pub const TOKEN_NAMESPACE: &str = "/token";
 
 /// Timing settings of the store (from `[store]`).
 #[derive(Debug, Clone, Copy)]
@@ -45,7 +49,7 @@ pub struct StoreSettings {
 #[derive(Clone)]
 pub struct Store {
     sql: SqlStore,
-    claims: Batcher<NewClaim, bool>,
+    claims: Batcher<NewClaim, Option<i64>>,
     completions: Batcher<Completion, bool>,
     fast: Option<Arc<dyn FastLayer>>,
     settings: StoreSettings,
@@ -78,11 +82,11 @@ impl Store {
                         // Won after its caller was told 503: nobody will
                         // forward it, so the key is given back at once rather
                         // than held until its lease.
-                        move |claim: NewClaim, won: bool| {
-                            if won {
+                        move |claim: NewClaim, won: Option<i64>| {
+                            if let Some(epoch) = won {
                                 let sql = releaser.clone();
                                 tokio::spawn(async move {
-                                    let released = sql.release(&claim.key, 1, now_ms()).await;
+                                    let released = sql.release(&claim.key, epoch).await;
                                     tracing::info!(route = %claim.key.route, key = %claim.key.escaped(), layer = "store", ?released, "claim committed after its caller gave up; released");
                                 });
                             }
@@ -227,26 +231,18 @@ impl Store {
             key: key.clone(),
             fingerprint: fingerprint.to_owned(),
             request_id: request_id.to_owned(),
-            now: now_ms(),
             lease: self.settings.lease,
             retention: self.settings.retention,
         };
-        if self.claims.submit(job.clone()).await? {
-            return Ok(Claim::Won { epoch: 1 });
+        if let Some(epoch) = self.claims.submit(job.clone()).await? {
+            return Ok(Claim::Won { epoch });
         }
         match self.sql.claim_existing(&job).await? {
             Some(claim) => Ok(claim),
             // Purged or swept between the two statements: start over.
             None => {
                 self.sql
-                    .claim(
-                        key,
-                        fingerprint,
-                        request_id,
-                        job.now,
-                        job.lease,
-                        job.retention,
-                    )
+                    .claim(key, fingerprint, request_id, job.lease, job.retention)
                     .await
             }
         }
@@ -268,8 +264,6 @@ impl Store {
                 key: key.clone(),
                 epoch,
                 response: response.clone(),
-                now: now_ms(),
-                retention: self.settings.retention,
             })
             .await?;
         self.metrics.store_latency.observe(started.elapsed());
@@ -287,22 +281,21 @@ impl Store {
 
     /// Gives the claim up: the request had no effect upstream.
     pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
-        let released = self.sql.release(key, epoch, now_ms()).await?;
+        let released = self.sql.release(key, epoch).await?;
         self.forget(key).await;
         Ok(released)
     }
 
     /// The outcome is unknown: the next retry is forwarded again.
     pub async fn mark_uncertain(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
-        let marked = self.sql.mark_uncertain(key, epoch, now_ms()).await?;
+        let marked = self.sql.mark_uncertain(key, epoch).await?;
         self.forget(key).await;
         Ok(marked)
     }
 
     /// Extends the lease of a running claim.
     pub async fn renew(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
-        let until = super::after_ms(now_ms(), self.settings.lease);
-        self.sql.renew(key, epoch, until).await
+        self.sql.renew(key, epoch, self.settings.lease).await
     }
 
     /// Reads one record from SQL.
@@ -315,13 +308,43 @@ impl Store {
         self.sql.find(route, key).await
     }
 
-    /// Removes records from SQL and the fast layer; returns how many.
+    /// [`Self::find`] for operators, who name a record by the route it was
+    /// used on: a token's record lives under the token namespace
+    /// ([`crate::token::TOKEN_RECORDS`]), whatever route used it.
+    pub async fn find_for_operator(
+        &self,
+        route: &str,
+        key: &str,
+    ) -> Result<Vec<Record>, StoreError> {
+        let found = self.sql.find(route, key).await?;
+        if !found.is_empty() {
+            return Ok(found);
+        }
+        self.sql.find(TOKEN_NAMESPACE, key).await
+    }
+
+    /// [`Self::purge`] for operators (see [`Self::find_for_operator`]).
+    pub async fn purge_for_operator(
+        &self,
+        route: &str,
+        key: &str,
+        scope: Option<&str>,
+    ) -> Result<super::sql::Purged, StoreError> {
+        let purged = self.purge(route, key, scope).await?;
+        if purged.removed > 0 || purged.held > 0 {
+            return Ok(purged);
+        }
+        self.purge(TOKEN_NAMESPACE, key, scope).await
+    }
+
+    /// Removes records from SQL and the fast layer, except those held under
+    /// a live lease (see [`super::sql::Purged`]).
     pub async fn purge(
         &self,
         route: &str,
         key: &str,
         scope: Option<&str>,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<super::sql::Purged, StoreError> {
         let keys: Vec<RecordKey> = match scope {
             Some(scope) => vec![RecordKey::new(scope, route, key)],
             None => self

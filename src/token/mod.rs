@@ -16,4 +16,4 @@ mod policy;
 
 pub use codec::{TokenClaims, TokenError, TokenKeys};
 pub use endpoint::TokenEndpoint;
-pub use policy::{IDEMPOTENCY_TOKEN, TokenPolicy};
+pub use policy::{IDEMPOTENCY_TOKEN, TOKEN_RECORDS, TokenPolicy};

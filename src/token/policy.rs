@@ -8,6 +8,7 @@ use http::request::Parts;
 use super::codec::TokenKeys;
 use crate::error::Problem;
 use crate::idempotency::{Head, Policy};
+use crate::store::RecordKey;
 
 /// `Idempotency-Token`.
 pub const IDEMPOTENCY_TOKEN: http::HeaderName = http::HeaderName::from_static("idempotency-token");
@@ -38,8 +39,20 @@ fn invalid(detail: &str) -> Problem {
     .detail(format!("{detail}; fetch a new token from /token"))
 }
 
+/// The record namespace of every token, whatever route it is used on (a
+/// route name cannot hold `/`).
+pub const TOKEN_RECORDS: &str = "/token";
+
 impl Policy for TokenPolicy {
     const LAYER: &'static str = "token";
+
+    fn record_key(&self, client_scope: String, _route: &str, key: String) -> RecordKey {
+        // A token is one action: a token issued without `?route=` must
+        // execute on at most one route, so its record is the token id's,
+        // not the route's (its use on another route is a different request:
+        // 422).
+        RecordKey::new(client_scope, TOKEN_RECORDS, key)
+    }
 
     fn key_in_head(&self, parts: &Parts, scope: &str) -> Result<Head, Problem> {
         let mut values = parts.headers.get_all(IDEMPOTENCY_TOKEN).iter();

@@ -1,0 +1,211 @@
+//! The SQL text of every record statement, for Postgres and SQLite.
+//!
+//! Both databases run the same statements against the same schema; what
+//! differs is how each reads its clock. Every lease and expiry is judged by
+//! the database's clock (`{now}`, milliseconds since the Unix epoch), never
+//! by one gateway's: two instances whose clocks disagree still agree on
+//! whether a lease is live, because only the database decides (SPEC §4).
+//!
+//! A fresh record's epoch is the database's clock in microseconds
+//! (`{epoch}`), and each takeover adds one. So epochs only ever grow for a
+//! key, even across a purge: a holder from before the purge can never match
+//! the epoch of the record inserted after it.
+//!
+//! Parameters in milliseconds (`lease`, `retention`) are durations; the
+//! statements add them to `{now}` themselves.
+
+use std::sync::LazyLock;
+
+/// The statements of one database.
+pub(super) struct Statements {
+    /// `$1 scope, $2 route, $3 key, $4 fingerprint, $5 lease ms, $6 request
+    /// id, $7 retention ms` → `epoch` when inserted.
+    pub claim_insert: String,
+    /// Postgres only: the batched insert over arrays `$1..$4, $6` with the
+    /// scalar `$5 lease ms, $7 retention ms` → the keys inserted and their
+    /// epochs.
+    pub claim_insert_many: String,
+    /// Takes over a record that may be claimed again (same parameters as
+    /// the insert) → the new epoch.
+    pub claim_takeover: String,
+    pub select_one: String,
+    pub select_by_route_key: String,
+    /// `$1..$3` key, `$4 epoch, $5 status, $6 headers, $7 body, $8
+    /// body_kept, $9 request id`.
+    pub complete: String,
+    /// Postgres only: many completions over arrays `$1..$9`.
+    pub complete_many: String,
+    /// `$1..$3` key, `$4 epoch, $5 state`.
+    pub set_state: String,
+    /// `$1..$3` key, `$4 epoch, $5 lease ms`.
+    pub renew: String,
+    /// `$1..$3` key: deletes unless held under a live lease.
+    pub purge_one: String,
+    /// `$1 route, $2 key`, every scope: deletes unless held.
+    pub purge_all_scopes: String,
+    /// `$1` rows at most.
+    pub sweep_delete: String,
+    /// Postgres: move `$1` expired rows to the archive in one statement.
+    pub sweep_archive_pg: String,
+    /// SQLite: copy `$1` expired rows (then `sweep_delete`, in one
+    /// transaction).
+    pub sweep_archive_copy_sqlite: String,
+}
+
+/// Postgres's clock, in milliseconds; `clock_timestamp()` is the time the
+/// expression runs (after any lock wait), not the transaction's start.
+const PG_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+const PG_EPOCH: &str = "(extract(epoch from clock_timestamp()) * 1000000)::bigint";
+const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+const SQLITE_EPOCH: &str = "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)";
+
+pub(super) static POSTGRES: LazyLock<Statements> =
+    LazyLock::new(|| Statements::with_clock(PG_NOW, PG_EPOCH));
+pub(super) static SQLITE: LazyLock<Statements> =
+    LazyLock::new(|| Statements::with_clock(SQLITE_NOW, SQLITE_EPOCH));
+
+const COLUMNS: &str = "fingerprint, state, epoch, lease_until, request_id, status, headers, body, \
+     body_kept, created_at, updated_at, expires_at, scope, route, idem_key";
+
+// A row is sweepable once its retention is over, unless it is still held
+// under a live lease. The condition is repeated in the outer statement so
+// that Postgres re-checks it on a row a concurrent takeover just renewed.
+const SWEEPABLE: &str = "expires_at <= {now} AND NOT (state = 'in_flight' AND lease_until > {now})";
+
+const NOT_HELD: &str = "NOT (state = 'in_flight' AND lease_until > {now})";
+
+impl Statements {
+    fn with_clock(now: &str, epoch: &str) -> Statements {
+        let fill = |text: &str| {
+            text.replace("{sweepable}", SWEEPABLE)
+                .replace("{not_held}", NOT_HELD)
+                .replace("{columns}", COLUMNS)
+                .replace("{now}", now)
+                .replace("{epoch}", epoch)
+        };
+        Statements {
+            claim_insert: fill(
+                "INSERT INTO idempotency_records \
+                 (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, \
+                  created_at, updated_at, expires_at, body_kept) \
+                 VALUES ($1, $2, $3, $4, 'in_flight', {epoch}, {now} + $5, $6, {now}, {now}, \
+                         {now} + $7, FALSE) \
+                 ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING epoch",
+            ),
+            claim_insert_many: fill(
+                "INSERT INTO idempotency_records \
+                 (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, \
+                  created_at, updated_at, expires_at, body_kept) \
+                 SELECT v.scope, v.route, v.idem_key, v.fingerprint, 'in_flight', {epoch}, \
+                        {now} + $5::int8, v.request_id, {now}, {now}, {now} + $7::int8, FALSE \
+                 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $6::text[]) \
+                      AS v(scope, route, idem_key, fingerprint, request_id) \
+                 ON CONFLICT (route, idem_key, scope) DO NOTHING \
+                 RETURNING scope, route, idem_key, epoch",
+            ),
+            // Retention-expired and released records take any fingerprint
+            // (the key is free again); uncertain and lease-expired ones only
+            // the same request.
+            claim_takeover: fill(
+                "UPDATE idempotency_records SET \
+                 epoch = epoch + 1, state = 'in_flight', fingerprint = $4, \
+                 lease_until = {now} + $5, request_id = $6, \
+                 created_at = CASE WHEN expires_at <= {now} OR state = 'released' \
+                              THEN {now} ELSE created_at END, \
+                 updated_at = {now}, expires_at = {now} + $7, \
+                 status = NULL, headers = NULL, body = NULL, body_kept = FALSE \
+                 WHERE scope = $1 AND route = $2 AND idem_key = $3 AND ( \
+                   ({sweepable}) OR state = 'released' \
+                   OR (fingerprint = $4 AND (state = 'uncertain' \
+                       OR (state = 'in_flight' AND lease_until <= {now}))) \
+                 ) RETURNING epoch",
+            ),
+            select_one: fill(
+                "SELECT {columns}, {now} FROM idempotency_records \
+                 WHERE scope = $1 AND route = $2 AND idem_key = $3",
+            ),
+            select_by_route_key: fill(
+                "SELECT {columns}, {now} FROM idempotency_records \
+                 WHERE route = $1 AND idem_key = $2 ORDER BY scope",
+            ),
+            // Leaves every indexed column alone (HOT-eligible on Postgres):
+            // retention counts from the claim.
+            complete: fill(
+                "UPDATE idempotency_records SET \
+                 state = 'completed', status = $5, headers = $6, body = $7, body_kept = $8, \
+                 request_id = $9, lease_until = 0, updated_at = {now} \
+                 WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
+                   AND state = 'in_flight'",
+            ),
+            // One round trip and one commit for a whole batch; each row
+            // still needs its own epoch to match (fencing).
+            complete_many: fill(
+                "UPDATE idempotency_records AS r SET \
+                 state = 'completed', status = v.status, headers = v.headers, body = v.body, \
+                 body_kept = v.body_kept, request_id = v.request_id, lease_until = 0, \
+                 updated_at = {now} \
+                 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::int4[], \
+                             $6::bytea[], $7::bytea[], $8::bool[], $9::text[]) \
+                      AS v(scope, route, idem_key, epoch, status, headers, body, body_kept, \
+                           request_id) \
+                 WHERE r.scope = v.scope AND r.route = v.route AND r.idem_key = v.idem_key \
+                   AND r.epoch = v.epoch AND r.state = 'in_flight' \
+                 RETURNING r.scope, r.route, r.idem_key",
+            ),
+            set_state: fill(
+                "UPDATE idempotency_records SET state = $5, lease_until = 0, updated_at = {now} \
+                 WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
+                   AND state = 'in_flight'",
+            ),
+            renew: fill(
+                "UPDATE idempotency_records SET lease_until = {now} + $5 \
+                 WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
+                   AND state = 'in_flight'",
+            ),
+            purge_one: fill(
+                "DELETE FROM idempotency_records \
+                 WHERE scope = $1 AND route = $2 AND idem_key = $3 AND {not_held}",
+            ),
+            purge_all_scopes: fill(
+                "DELETE FROM idempotency_records WHERE route = $1 AND idem_key = $2 AND {not_held}",
+            ),
+            sweep_delete: fill(
+                "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
+                   SELECT route, idem_key, scope FROM idempotency_records \
+                   WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
+                 AND {sweepable}",
+            ),
+            sweep_archive_pg: fill(
+                "WITH moved AS ( \
+                   DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
+                     SELECT route, idem_key, scope FROM idempotency_records \
+                     WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
+                   AND {sweepable} \
+                   RETURNING scope, route, idem_key, fingerprint, state, epoch, request_id, \
+                             status, headers, body, body_kept, created_at, updated_at, \
+                             expires_at) \
+                 INSERT INTO idempotency_archive (scope, route, idem_key, fingerprint, state, \
+                   epoch, request_id, status, headers, body, body_kept, created_at, updated_at, \
+                   expires_at, archived_at) \
+                 SELECT scope, route, idem_key, fingerprint, state, epoch, request_id, status, \
+                        headers, body, body_kept, created_at, updated_at, expires_at, {now} \
+                 FROM moved",
+            ),
+            sweep_archive_copy_sqlite: fill(
+                "INSERT INTO idempotency_archive (scope, route, idem_key, fingerprint, state, \
+                   epoch, request_id, status, headers, body, body_kept, created_at, updated_at, \
+                   expires_at, archived_at) \
+                 SELECT scope, route, idem_key, fingerprint, state, epoch, request_id, status, \
+                        headers, body, body_kept, created_at, updated_at, expires_at, {now} \
+                 FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
+                   SELECT route, idem_key, scope FROM idempotency_records \
+                   WHERE {sweepable} ORDER BY expires_at LIMIT $1)",
+            ),
+        }
+    }
+}
+
+/// Milliseconds of a duration, for the statements' duration parameters.
+pub(super) fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
+}
