@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes sure the services the service-backed tests use are up: PostgreSQL on
 # 127.0.0.1:5432 (database `test`, user `postgres`) and Redis on
-# 127.0.0.1:6379. Starts each one that is installed but down. Never fails by
+# 127.0.0.1:6379, and that the faketime tool is installed. Starts each one that is installed but down. Never fails by
 # itself: a service that cannot be started makes its tests skip loudly (or
 # fail, with CI=true).
 set -u
@@ -36,4 +36,11 @@ if redis_up; then
 else
   echo "services: Redis NOT available on 127.0.0.1:6379"
 fi
+# faketime runs a gateway with its wall clock moved (the clock-skew test).
+if ! command -v faketime >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "services: installing faketime"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y faketime >/dev/null 2>&1 \
+    || { apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y faketime >/dev/null 2>&1; } || true
+fi
+command -v faketime >/dev/null 2>&1 && echo "services: faketime available" || echo "services: faketime NOT available"
 exit 0

@@ -127,6 +127,11 @@ async fn purge_key(
             .into_response()
         }
         Ok(purged) => {
+            if purged.removed > 0 {
+                // Other instances' in-process layers follow the purge log;
+                // answer once they have.
+                tokio::time::sleep(crate::store::purges::SETTLE).await;
+            }
             tracing::info!(route = %route, key = %crate::store::key_ref(&key), purged = purged.removed, layer = "admin", "records purged");
             Json(json!({"purged": purged.removed})).into_response()
         }

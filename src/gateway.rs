@@ -54,6 +54,7 @@ pub struct RunningGateway {
     pub store: Store,
     trigger: ShutdownTrigger,
     sweeper: JoinHandle<()>,
+    purge_follower: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
     workers: Vec<std::thread::JoinHandle<()>>,
 }
@@ -74,6 +75,9 @@ impl RunningGateway {
         })
         .await;
         self.sweeper.abort();
+        if let Some(follower) = self.purge_follower {
+            follower.abort();
+        }
     }
 }
 
@@ -110,6 +114,11 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         config.store.sweep_interval.get(),
         config.store.archive,
     );
+    // Purges made elsewhere (the CLI, another instance) reach this
+    // process's in-process fast layer through the purge log.
+    let purge_follower = memory
+        .clone()
+        .map(|memory| crate::store::purges::follow(store.sql().clone(), memory));
     let (token_keys, random_secret) = TokenKeys::new(&config.tokens.secret);
     let threads = match config.server.worker_threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -227,6 +236,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         store,
         trigger,
         sweeper,
+        purge_follower,
         tasks: vec![admin_task],
         workers,
     })

@@ -377,3 +377,107 @@ async fn a_replay_without_its_body_carries_no_header_describing_the_body() {
     assert!(replay.body.is_empty());
     stack.shutdown().await;
 }
+
+/// A gateway on the SQLite file in `dir` with the in-process fast layer.
+async fn on_file(
+    dir: &std::path::Path,
+    upstream: std::net::SocketAddr,
+    retention: &str,
+) -> idemgate::gateway::RunningGateway {
+    let mut c = support::config(upstream, ACTIONS);
+    c.store.database_url = format!("sqlite://{}/records.db", dir.display());
+    c.store.retention = retention.into();
+    idemgate::gateway::start(c).await.unwrap()
+}
+
+async fn act(
+    http: &support::Http,
+    gateway: &idemgate::gateway::RunningGateway,
+    key: &str,
+) -> Answer {
+    http.send(
+        "POST",
+        &format!("http://{}/actions/cached", gateway.public_addr),
+        &[("idempotency-key", key)],
+        "{}",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_from_the_cli_reaches_the_gateways_in_process_layer() {
+    let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = on_file(dir.path(), upstream.addr, "1h").await;
+    let http = support::Http::default();
+    assert_eq!(act(&http, &gateway, "c-1").await.status, 201);
+    let replay = act(&http, &gateway, "c-1").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    // The operator purges from another process: this gateway's in-process
+    // layer must forget the key by the time the command returns.
+    let config = dir.path().join("cli.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[store]\ndatabase_url = \"sqlite://{}/records.db\"\n",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let purge = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["keys", "purge", "act", "c-1", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        purge.status.success(),
+        "{}",
+        String::from_utf8_lossy(&purge.stderr)
+    );
+    let after = act(&http, &gateway, "c-1").await;
+    assert_eq!(after.status, 201);
+    assert_eq!(
+        after.header("idempotent-replayed"),
+        None,
+        "a purged key was replayed"
+    );
+    assert_eq!(
+        upstream.state.stats().executions["cached"]
+            .values()
+            .sum::<u64>(),
+        2
+    );
+    gateway.shutdown().await;
+    upstream.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_replay_never_outlives_its_record() {
+    let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let a = on_file(dir.path(), upstream.addr, "2s").await;
+    let b = on_file(dir.path(), upstream.addr, "2s").await;
+    let http = support::Http::default();
+    let started = std::time::Instant::now();
+    assert_eq!(act(&http, &a, "t-1").await.status, 201);
+    // B replays from SQL at 1.2 s and caches the outcome in its own layer —
+    // for what is left of the record's retention, not a whole new one.
+    tokio::time::sleep_until((started + Duration::from_millis(1200)).into()).await;
+    assert_eq!(
+        act(&http, &b, "t-1").await.header("idempotent-replayed"),
+        Some("true")
+    );
+    // Past the record's retention the key is free: B must not replay it
+    // from its cache.
+    tokio::time::sleep_until((started + Duration::from_millis(2600)).into()).await;
+    let after = act(&http, &b, "t-1").await;
+    assert_eq!(after.status, 201);
+    assert_eq!(
+        after.header("idempotent-replayed"),
+        None,
+        "replayed past the record's retention"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    upstream.shutdown().await;
+}

@@ -480,3 +480,122 @@ async fn gateway_killed_between_claim_and_forward_then_restarted_executes_once()
     gateway.wait().unwrap();
     upstream.shutdown().await;
 }
+
+/// A config file for the binary on Postgres `db`: key routes, a 2 s lease.
+fn postgres_config(
+    dir: &std::path::Path,
+    name: &str,
+    listen: &str,
+    db: &str,
+    upstream: &str,
+) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+            [server]
+            listen = "{listen}"
+            admin_listen = "127.0.0.1:0"
+            [store]
+            database_url = "{db}"
+            lease = "2s"
+            timeout = "500ms"
+            [[upstreams]]
+            name = "demo"
+            url = "http://{upstream}"
+            timeout = "10s"
+            {KEY_ROUTES}
+            "#
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_clock_runs_ahead_cannot_take_over_a_live_claim() {
+    let test = "an_instance_whose_clock_runs_ahead_cannot_take_over_a_live_claim";
+    let Some(db) = services::postgres(test).await else {
+        return;
+    };
+    if Command::new("faketime").arg("--version").output().is_err() {
+        services::missing("faketime", test, "the faketime command is not installed");
+        return;
+    }
+    let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (a_port, b_port) = (support::dead_port(), support::dead_port());
+    let up = upstream.addr.to_string();
+    let a_config = postgres_config(
+        dir.path(),
+        "a.toml",
+        &format!("127.0.0.1:{a_port}"),
+        &db,
+        &up,
+    );
+    let b_config = postgres_config(
+        dir.path(),
+        "b.toml",
+        &format!("127.0.0.1:{b_port}"),
+        &db,
+        &up,
+    );
+    let http = Http::default();
+    let mut a = spawn_gateway(&a_config);
+    wait_up(&http, &format!("http://127.0.0.1:{a_port}/")).await;
+    // B's wall clock runs 6 s ahead (its monotonic clock is left alone, so
+    // its timers behave): by its own clock, A's 2 s lease is long over.
+    let mut b = Command::new("faketime")
+        .args(["-f", "+6s"])
+        .arg(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["serve", "--config"])
+        .arg(&b_config)
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_up(&http, &format!("http://127.0.0.1:{b_port}/")).await;
+    let first = {
+        let http = http.clone();
+        let url = format!("http://127.0.0.1:{a_port}/actions/skew");
+        tokio::spawn(async move {
+            http.send(
+                "POST",
+                &url,
+                &[("idempotency-key", "s"), ("x-demo-delay-ms", "3000")],
+                "{}",
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let b_url = format!("http://127.0.0.1:{b_port}/actions/skew");
+    for _ in 0..4 {
+        let retry = http
+            .send("POST", &b_url, &[("idempotency-key", "s")], "{}")
+            .await;
+        assert_eq!(
+            retry.status, 409,
+            "B took over A's live claim: {:?}",
+            retry.body
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(first.await.unwrap().status, 201);
+    let replay = http
+        .send("POST", &b_url, &[("idempotency-key", "s")], "{}")
+        .await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        upstream.state.stats().executions["skew"]
+            .values()
+            .sum::<u64>(),
+        1
+    );
+    a.kill().unwrap();
+    b.kill().unwrap();
+    let _ = (a.wait(), b.wait());
+    upstream.shutdown().await;
+}

@@ -255,7 +255,7 @@ async fn header_injection_and_bad_keys_are_400() {
 }
 
 #[tokio::test]
-async fn keys_are_logged_escaped_never_raw() {
+async fn keys_are_logged_by_prefix_and_hash_never_raw() {
     let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let listen = format!("127.0.0.1:{}", support::dead_port());
@@ -295,21 +295,31 @@ async fn keys_are_logged_escaped_never_raw() {
     let http = support::Http::default();
     let url = format!("http://{listen}/mq/push");
     support::wait_up(&http, &url).await;
-    // A key that would forge a log line and recolour a terminal.
+    // A key that would forge a log line and recolour a terminal is not a
+    // key at all: refused before anything is stored or logged raw.
     let evil = r#"{"id":"T1\nFAKE LOG LINE level=ERROR\u001b[31m","n":1}"#;
-    assert_eq!(http.send("POST", &url, &[], evil).await.status, 200);
-    let reused = r#"{"id":"T1\nFAKE LOG LINE level=ERROR\u001b[31m","n":2}"#;
+    let refused = http.send("POST", &url, &[], evil).await;
+    assert_eq!(refused.status, 400);
+    assert_eq!(
+        refused.problem_type(),
+        "urn:idemgate:problem:business-key-invalid"
+    );
+    // A plain key reused for another request: logged, but never raw.
+    let first = r#"{"id":"secret-key-123","n":1}"#;
+    assert_eq!(http.send("POST", &url, &[], first).await.status, 200);
+    let reused = r#"{"id":"secret-key-123","n":2}"#;
     assert_eq!(http.send("POST", &url, &[], reused).await.status, 422);
     child.kill().unwrap();
     let output = child.wait_with_output().unwrap();
     let log = String::from_utf8_lossy(&output.stderr);
+    assert!(log.contains("reused"), "{log}");
     assert!(
-        log.contains("idempotency-key-reused") || log.contains("reused"),
-        "{log}"
+        log.contains("secr…#"),
+        "the key is named by prefix and hash: {log}"
     );
     assert!(
-        log.contains(r"T1\nFAKE LOG LINE"),
-        "the key was not logged escaped: {log}"
+        !log.contains("secret-key-123"),
+        "a raw key reached the log: {log}"
     );
     assert!(
         !log.lines().any(|l| l.starts_with("FAKE LOG LINE")),

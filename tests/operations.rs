@@ -178,7 +178,12 @@ async fn migrate_keys_and_sweep_commands_work_on_the_embedded_store() {
     else {
         panic!()
     };
-    assert!(sql.complete(&key, epoch, &response()).await.unwrap());
+    assert!(
+        sql.complete(&key, epoch, &response())
+            .await
+            .unwrap()
+            .is_some()
+    );
     let (code, out, err) = run(&["keys", "show", "orders", "key-1"]);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("\"state\": \"completed\""), "{out}");

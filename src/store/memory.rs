@@ -78,6 +78,23 @@ impl MemoryLayer {
         Ok(None)
     }
 
+    /// Forgets every entry of `route`/`key` (in `scope`, or in every scope);
+    /// returns how many.
+    pub fn forget(&self, route: &str, key: &str, scope: Option<&str>) -> usize {
+        if let Some(scope) = scope {
+            let key = RecordKey::new(scope, route, key);
+            return usize::from(self.shard(&key).remove(&key).is_some());
+        }
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let before = shard.len();
+            shard.retain(|k, _| !(k.route == route && k.key == key));
+            removed += before - shard.len();
+        }
+        removed
+    }
+
     /// Drops expired entries (run by the sweeper).
     pub fn purge_expired(&self) -> usize {
         let now = Instant::now();

@@ -26,6 +26,7 @@ pub mod codec;
 pub mod fast;
 pub mod held;
 pub mod memory;
+pub mod purges;
 pub mod redis;
 pub mod sql;
 mod statements;

@@ -207,27 +207,6 @@ impl SqlStore {
         }
     }
 
-    /// Runs one batch statement that returns the keys it wrote, bounded by
-    /// `store.timeout`.
-    async fn batch_keys(
-        &self,
-        op: &'static str,
-        pool: &PgPool,
-        held: &HeldConnection,
-        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> Result<std::collections::HashSet<RecordKey>, StoreError> {
-        self.bounded(
-            op,
-            self.on_batch_connection(pool, held, async move |conn| {
-                query
-                    .fetch_all(conn)
-                    .await
-                    .and_then(|rows| returned_keys(&rows))
-            }),
-        )
-        .await
-    }
-
     /// Bounds one operation by `store.timeout` and names it in errors.
     async fn bounded<T>(
         &self,
@@ -290,7 +269,7 @@ impl SqlStore {
             {
                 return Ok(Claim::Won { epoch });
             }
-            if let Some(claim) = self.claim_existing(&job).await? {
+            if let Some((claim, _)) = self.claim_existing(&job).await? {
                 return Ok(claim);
             }
         }
@@ -405,8 +384,13 @@ impl SqlStore {
     }
 
     /// The existing-key half of a claim: take the record over if it may be
-    /// taken, else read it to answer. `None` when the row vanished.
-    pub async fn claim_existing(&self, c: &NewClaim) -> Result<Option<Claim>, StoreError> {
+    /// taken, else read it to answer, with the record's retention left (a
+    /// fast layer caching the answer must not outlive the record). `None`
+    /// when the row vanished.
+    pub async fn claim_existing(
+        &self,
+        c: &NewClaim,
+    ) -> Result<Option<(Claim, Duration)>, StoreError> {
         let key = &c.key;
         let statement = self.sql().claim_takeover.as_str();
         let taken: Option<i64> = self
@@ -421,12 +405,12 @@ impl SqlStore {
             })
             .await?;
         if let Some(epoch) = taken {
-            return Ok(Some(Claim::Won { epoch }));
+            return Ok(Some((Claim::Won { epoch }, c.retention)));
         }
-        Ok(self
-            .get(key)
-            .await?
-            .map(|record| answer_for(&record, &c.fingerprint)))
+        Ok(self.get(key).await?.map(|record| {
+            let remaining = left(record.expires_at_ms - record.read_at_ms);
+            (answer_for(&record, &c.fingerprint), remaining)
+        }))
     }
 
     /// Reads one record.
@@ -464,13 +448,14 @@ impl SqlStore {
         rows.into_iter().map(RawRecord::into_record).collect()
     }
 
-    /// Stores the outcome; false when `epoch` no longer holds the claim.
+    /// Stores the outcome; the retention left (by the database's clock), or
+    /// `None` when `epoch` no longer holds the claim.
     pub async fn complete(
         &self,
         key: &RecordKey,
         epoch: i64,
         response: &StoredResponse,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Option<Duration>, StoreError> {
         let headers = encode_headers(&response.headers);
         let status = i32::from(response.status);
         let statement = self.sql().complete.as_str();
@@ -480,19 +465,21 @@ impl SqlStore {
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
                     .bind(status).bind(&headers).bind(response.body.as_ref())
                     .bind(response.body_kept).bind(&response.request_id)
-                    .execute(pool).await.map(|r| r.rows_affected() == 1)
+                    .fetch_optional(pool).await?
+                    .map(|row| row.try_get::<i64, _>(0).map(left))
+                    .transpose()
             })
         })
         .await
     }
 
-    /// Stores many outcomes at once (see [`super::batch`]); one flag per
-    /// completion, false where the epoch no longer holds the claim.
+    /// Stores many outcomes at once (see [`super::batch`]); for each, the
+    /// retention left, or `None` where the epoch no longer holds the claim.
     pub async fn complete_many(
         &self,
         batch: &[Completion],
         held: &HeldConnection,
-    ) -> Result<Vec<bool>, StoreError> {
+    ) -> Result<Vec<Option<Duration>>, StoreError> {
         match &self.pool {
             Pool::Postgres(pool) => {
                 let mut columns = PgColumns::default();
@@ -509,8 +496,18 @@ impl SqlStore {
                     .bind(&columns.body)
                     .bind(&columns.body_kept)
                     .bind(&columns.request_id);
-                let done = self.batch_keys("complete", pool, held, query).await?;
-                Ok(batch.iter().map(|c| done.contains(&c.key)).collect())
+                let done = self
+                    .bounded(
+                        "complete",
+                        self.on_batch_connection(pool, held, async move |conn| {
+                            let rows = query.fetch_all(conn).await?;
+                            rows.iter()
+                                .map(|row| Ok((returned_key(row)?, left(row.try_get(3)?))))
+                                .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
+                        }),
+                    )
+                    .await?;
+                Ok(batch.iter().map(|c| done.get(&c.key).copied()).collect())
             }
             Pool::Sqlite(pool) => {
                 // One write transaction, one fsync, for the whole batch.
@@ -521,7 +518,7 @@ impl SqlStore {
                     let mut accepted = Vec::with_capacity(batch.len());
                     for c in batch {
                         let headers = encode_headers(&c.response.headers);
-                        let rows = sqlx::query(statement)
+                        let row = sqlx::query(statement)
                             .bind(&c.key.scope)
                             .bind(&c.key.route)
                             .bind(&c.key.key)
@@ -531,10 +528,9 @@ impl SqlStore {
                             .bind(c.response.body.as_ref())
                             .bind(c.response.body_kept)
                             .bind(&c.response.request_id)
-                            .execute(&mut *tx)
-                            .await?
-                            .rows_affected();
-                        accepted.push(rows == 1);
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                        accepted.push(row.map(|r| r.try_get::<i64, _>(0).map(left)).transpose()?);
                     }
                     tx.commit().await?;
                     Ok(accepted)
@@ -621,6 +617,17 @@ impl SqlStore {
                 })
             })
             .await?;
+        if removed > 0 {
+            // Tell every in-process fast layer (see `purges_since`).
+            let log = statements.log_purge.as_str();
+            self.bounded("purge", async {
+                with_pool!(self, pool => {
+                    sqlx::query(log).bind(route).bind(key).bind(scope)
+                        .execute(pool).await.map(|_| ())
+                })
+            })
+            .await?;
+        }
         let held = self
             .find(route, key)
             .await?
@@ -673,6 +680,50 @@ impl SqlStore {
         .await
     }
 
+    /// Purges logged after `last` (oldest first, at most 1,000), for the
+    /// in-process fast layers to forget.
+    pub async fn purges_since(&self, last: i64) -> Result<Vec<LoggedPurge>, StoreError> {
+        let statement = self.sql().purges_since.as_str();
+        self.bounded("purges", async {
+            with_pool!(self, pool => {
+                let rows = sqlx::query(statement).bind(last).fetch_all(pool).await?;
+                rows.iter()
+                    .map(|row| {
+                        Ok(LoggedPurge {
+                            id: row.try_get(0)?,
+                            route: row.try_get(1)?,
+                            key: row.try_get(2)?,
+                            scope: row.try_get(3)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, sqlx::Error>>()
+            })
+        })
+        .await
+    }
+
+    /// The newest logged purge's id.
+    pub async fn last_purge(&self) -> Result<i64, StoreError> {
+        let statement = self.sql().last_purge.as_str();
+        self.bounded("purges", async {
+            with_pool!(self, pool => {
+                sqlx::query(statement).fetch_one(pool).await?.try_get::<i64, _>(0)
+            })
+        })
+        .await
+    }
+
+    /// Forgets logged purges older than `age`.
+    pub async fn trim_purges(&self, age: Duration) -> Result<u64, StoreError> {
+        let statement = self.sql().trim_purges.as_str();
+        self.bounded("purges", async {
+            with_pool!(self, pool => {
+                sqlx::query(statement).bind(millis(age)).execute(pool).await.map(|r| r.rows_affected())
+            })
+        })
+        .await
+    }
+
     /// Rows in the archive table (operators, tests).
     pub async fn archived(&self) -> Result<i64, StoreError> {
         self.bounded("archived", async {
@@ -682,6 +733,21 @@ impl SqlStore {
         })
         .await
     }
+}
+
+/// One logged purge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggedPurge {
+    pub id: i64,
+    pub route: String,
+    pub key: String,
+    /// `None`: every scope.
+    pub scope: Option<String>,
+}
+
+/// Milliseconds left, as a duration (zero when past).
+fn left(ms: i64) -> Duration {
+    Duration::from_millis(ms.max(0) as u64)
 }
 
 /// What a purge did.
@@ -765,13 +831,6 @@ fn returned_key(row: &sqlx::postgres::PgRow) -> Result<RecordKey, sqlx::Error> {
         route: row.try_get(1)?,
         key: row.try_get(2)?,
     })
-}
-
-/// The records a batched `… RETURNING scope, route, idem_key` touched.
-fn returned_keys(
-    rows: &[sqlx::postgres::PgRow],
-) -> Result<std::collections::HashSet<RecordKey>, sqlx::Error> {
-    rows.iter().map(returned_key).collect()
 }
 
 /// What a claim answers when the record exists and could not be taken.

@@ -31,7 +31,7 @@ pub(super) struct Statements {
     pub select_one: String,
     pub select_by_route_key: String,
     /// `$1..$3` key, `$4 epoch, $5 status, $6 headers, $7 body, $8
-    /// body_kept, $9 request id`.
+    /// body_kept, $9 request id` → the retention left, in ms.
     pub complete: String,
     /// Postgres only: many completions over arrays `$1..$9`.
     pub complete_many: String,
@@ -43,6 +43,14 @@ pub(super) struct Statements {
     pub purge_one: String,
     /// `$1 route, $2 key`, every scope: deletes unless held.
     pub purge_all_scopes: String,
+    /// `$1 route, $2 key, $3 scope (NULL: all)`: logs a purge.
+    pub log_purge: String,
+    /// Purges logged after id `$1`, oldest first.
+    pub purges_since: String,
+    /// The newest purge id (0 when none).
+    pub last_purge: String,
+    /// Forgets purges older than `$1` ms.
+    pub trim_purges: String,
     /// `$1` rows at most.
     pub sweep_delete: String,
     /// Postgres: move `$1` expired rows to the archive in one statement.
@@ -135,7 +143,8 @@ impl Statements {
                  state = 'completed', status = $5, headers = $6, body = $7, body_kept = $8, \
                  request_id = $9, lease_until = 0, updated_at = {now} \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
-                   AND state = 'in_flight'",
+                   AND state = 'in_flight' \
+                 RETURNING expires_at - {now}",
             ),
             // One round trip and one commit for a whole batch; each row
             // still needs its own epoch to match (fencing).
@@ -150,7 +159,7 @@ impl Statements {
                            request_id) \
                  WHERE r.scope = v.scope AND r.route = v.route AND r.idem_key = v.idem_key \
                    AND r.epoch = v.epoch AND r.state = 'in_flight' \
-                 RETURNING r.scope, r.route, r.idem_key",
+                 RETURNING r.scope, r.route, r.idem_key, r.expires_at - {now}",
             ),
             set_state: fill(
                 "UPDATE idempotency_records SET state = $5, lease_until = 0, updated_at = {now} \
@@ -169,6 +178,16 @@ impl Statements {
             purge_all_scopes: fill(
                 "DELETE FROM idempotency_records WHERE route = $1 AND idem_key = $2 AND {not_held}",
             ),
+            log_purge: fill(
+                "INSERT INTO idempotency_purges (route, idem_key, scope, purged_at) \
+                 VALUES ($1, $2, $3, {now})",
+            ),
+            purges_since: fill(
+                "SELECT id, route, idem_key, scope FROM idempotency_purges \
+                 WHERE id > $1 ORDER BY id LIMIT 1000",
+            ),
+            last_purge: fill("SELECT COALESCE(MAX(id), 0) FROM idempotency_purges"),
+            trim_purges: fill("DELETE FROM idempotency_purges WHERE purged_at < {now} - $1"),
             sweep_delete: fill(
                 "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
                    SELECT route, idem_key, scope FROM idempotency_records \

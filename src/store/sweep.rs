@@ -49,6 +49,9 @@ pub fn spawn(
             if let Some(memory) = &memory {
                 memory.purge_expired();
             }
+            if let Err(e) = sql.trim_purges(super::purges::KEEP_FOR).await {
+                tracing::debug!(error = %e, layer = "sql", "trimming the purge log failed; will retry");
+            }
         }
     })
 }

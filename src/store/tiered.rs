@@ -50,7 +50,7 @@ pub struct StoreSettings {
 pub struct Store {
     sql: SqlStore,
     claims: Batcher<NewClaim, Option<i64>>,
-    completions: Batcher<Completion, bool>,
+    completions: Batcher<Completion, Option<Duration>>,
     fast: Option<Arc<dyn FastLayer>>,
     settings: StoreSettings,
     metrics: Arc<Metrics>,
@@ -196,19 +196,24 @@ impl Store {
                 None => {}
             }
         }
-        let claim = self.claim_in_sql(key, fingerprint, request_id).await;
+        let answer = self.claim_in_sql(key, fingerprint, request_id).await;
         self.metrics.store_latency.observe(started.elapsed());
+        let (claim, left) = match answer {
+            Ok((claim, left)) => (Ok(claim), left),
+            Err(e) => (Err(e), Duration::ZERO),
+        };
         if let Some(fast) = &self.fast {
             match &claim {
                 Ok(Claim::Won { .. }) => {}
-                Ok(Claim::Completed(response)) => {
+                // Re-cached for what is left of the record's retention, not
+                // a whole new one.
+                Ok(Claim::Completed(response)) if !left.is_zero() => {
                     let entry = FastEntry::Completed {
                         key: key.clone(),
                         fingerprint: fingerprint.to_owned(),
                         response: response.clone(),
                     };
-                    self.fast("put", fast.put(&entry, self.settings.retention))
-                        .await;
+                    self.fast("put", fast.put(&entry, left)).await;
                 }
                 _ if marked => {
                     self.fast("remove", fast.remove(key)).await;
@@ -220,13 +225,14 @@ impl Store {
     }
 
     /// The SQL half of a claim: the fresh-key insert goes through the batch
-    /// writer (shared commit), the rest through the single-row path.
+    /// writer (shared commit), the rest through the single-row path. With
+    /// the answer, the record's retention left.
     async fn claim_in_sql(
         &self,
         key: &RecordKey,
         fingerprint: &str,
         request_id: &str,
-    ) -> Result<Claim, StoreError> {
+    ) -> Result<(Claim, Duration), StoreError> {
         let job = NewClaim {
             key: key.clone(),
             fingerprint: fingerprint.to_owned(),
@@ -235,16 +241,16 @@ impl Store {
             retention: self.settings.retention,
         };
         if let Some(epoch) = self.claims.submit(job.clone()).await? {
-            return Ok(Claim::Won { epoch });
+            return Ok((Claim::Won { epoch }, job.retention));
         }
         match self.sql.claim_existing(&job).await? {
-            Some(claim) => Ok(claim),
+            Some(answer) => Ok(answer),
             // Purged or swept between the two statements: start over.
-            None => {
-                self.sql
-                    .claim(key, fingerprint, request_id, job.lease, job.retention)
-                    .await
-            }
+            None => self
+                .sql
+                .claim(key, fingerprint, request_id, job.lease, job.retention)
+                .await
+                .map(|claim| (claim, Duration::ZERO)),
         }
     }
 
@@ -258,7 +264,7 @@ impl Store {
         response: &StoredResponse,
     ) -> Result<bool, StoreError> {
         let started = Instant::now();
-        let accepted = self
+        let left = self
             .completions
             .submit(Completion {
                 key: key.clone(),
@@ -267,16 +273,18 @@ impl Store {
             })
             .await?;
         self.metrics.store_latency.observe(started.elapsed());
-        if accepted && let Some(fast) = &self.fast {
+        // The fast layer keeps the outcome exactly as long as the record.
+        if let Some(left) = left
+            && let Some(fast) = &self.fast
+        {
             let entry = FastEntry::Completed {
                 key: key.clone(),
                 fingerprint: fingerprint.to_owned(),
                 response: response.clone(),
             };
-            self.fast("put", fast.put(&entry, self.settings.retention))
-                .await;
+            self.fast("put", fast.put(&entry, left)).await;
         }
-        Ok(accepted)
+        Ok(left.is_some())
     }
 
     /// Gives the claim up: the request had no effect upstream.

@@ -1,0 +1,55 @@
+//! Purges reach every in-process fast layer (SPEC §5).
+//!
+//! An in-process fast layer lives in one gateway process; a purge made by
+//! the CLI or by another instance cannot touch it directly. Every purge is
+//! therefore logged in SQL (`idempotency_purges`), and each gateway whose
+//! fast layer is in-process follows that log: every [`FOLLOW_EVERY`] it
+//! reads the purges past the last one it saw and forgets their keys. A
+//! purge command waits [`SETTLE`] before it reports success, so that when
+//! the operator is told "purged", no layer still replays the key.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::memory::MemoryLayer;
+use super::sql::SqlStore;
+
+/// How often a gateway reads the purge log.
+pub const FOLLOW_EVERY: Duration = Duration::from_secs(1);
+/// How long a purge waits for every follower to have read it.
+pub const SETTLE: Duration = Duration::from_millis(1300);
+/// Logged purges older than this are trimmed by the sweeper.
+pub const KEEP_FOR: Duration = Duration::from_secs(3600);
+
+/// Follows the purge log into `memory` until the task is aborted.
+pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        // Purges from before this process started touched nothing it holds.
+        let mut last = loop {
+            match sql.last_purge().await {
+                Ok(last) => break last,
+                Err(e) => {
+                    tracing::warn!(error = %e, layer = "memory", "reading the purge log failed; retrying");
+                    tokio::time::sleep(FOLLOW_EVERY).await;
+                }
+            }
+        };
+        let mut ticker = tokio::time::interval(FOLLOW_EVERY);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            match sql.purges_since(last).await {
+                Ok(purges) => {
+                    for purge in purges {
+                        let n = memory.forget(&purge.route, &purge.key, purge.scope.as_deref());
+                        tracing::debug!(route = %purge.route, key = %super::key_ref(&purge.key), forgotten = n, layer = "memory", "followed a purge");
+                        last = purge.id;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, layer = "memory", "reading the purge log failed; retrying")
+                }
+            }
+        }
+    })
+}
