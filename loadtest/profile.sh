@@ -16,7 +16,9 @@ WORK=$(mktemp -d /tmp/idemgate-profile.XXXX)
 command -v oha >/dev/null || cargo install oha --locked
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light || apt-get install -y -qq nginx; }
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
-cargo build --release -q --bins
+# IDEMGATE_BIN_DIR: profile another build (e.g. the previous commit's).
+BIN=${IDEMGATE_BIN_DIR:-target/release}
+[ -n "${IDEMGATE_BIN_DIR:-}" ] || cargo build --release -q --bins
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -76,7 +78,7 @@ measure() { # name port command…
 per_request() { # callgrind file → instructions per request
   callgrind_annotate "$1" 2>/dev/null | awk -v n="$N" '/PROGRAM TOTALS/ {x=$1; gsub(",","",x); printf "%.0f", x/n; exit}'
 }
-measure idemgate 18380 target/release/idemgate serve --config "$WORK/idemgate.toml"
+measure idemgate 18380 $BIN/idemgate serve --config "$WORK/idemgate.toml"
 measure nginx 18382 nginx -p "$WORK/px" -c "$WORK/px/nginx.conf"
 IG=$(per_request "$WORK/idemgate.out.1")
 NG=$(per_request "$WORK/nginx.out.1")

@@ -22,8 +22,14 @@ SCHEMA=     # set once the gateways' Postgres schema exists
 command -v oha >/dev/null || cargo install oha --locked
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light || apt-get install -y -qq nginx; }
 scripts/services.sh >/dev/null
-cargo build --release -q --bins --example loadgen
-BIN=target/release
+# IDEMGATE_BIN_DIR: measure another build (e.g. the previous commit's,
+# built in a worktree) with the same harness.
+if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
+  BIN=$IDEMGATE_BIN_DIR
+else
+  cargo build --release -q --bins --example loadgen
+  BIN=target/release
+fi
 
 pids=()
 cleanup() {
@@ -103,9 +109,16 @@ idempotency = "token"
 [[routes]]
 name = "storm"
 methods = ["POST"]
-path_prefix = "/actions/"
+path_prefix = "/actions/storm"
 upstream = "demo"
 idempotency = "key"
+[[routes]]
+name = "storm-wait"
+methods = ["POST"]
+path_prefix = "/actions/wait"
+upstream = "demo"
+idempotency = "key"
+on_concurrent = "wait"
 EOF
 SCHEMA=loadtest_$(date +%s)
 psql -q "$PG_URL" -c "CREATE SCHEMA $SCHEMA"
@@ -210,6 +223,19 @@ EXEC_PG=$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; pr
 curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
 gen_run storm idemgate-sqlite storm http://127.0.0.1:18080/actions/storm 1000
 EXEC_SQLITE=$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])")
+# The same storm with on_concurrent = "wait": every duplicate waits for the
+# first request's outcome. Beside it, one request alone (its latency is
+# the yardstick: waiters should take at most 2x it plus 10 ms).
+WAIT_EXEC=()
+for t in redis-pg sqlite; do
+  port=$([ $t = sqlite ] && echo 18080 || echo 18180)
+  curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
+  gen_run single idemgate-$t storm http://127.0.0.1:$port/actions/wait-single 1
+  curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
+  gen_run storm-wait idemgate-$t storm http://127.0.0.1:$port/actions/wait 1000
+  WAIT_EXEC+=("$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])")")
+done
+EXEC_PG="$EXEC_PG/${WAIT_EXEC[0]}"; EXEC_SQLITE="$EXEC_SQLITE/${WAIT_EXEC[1]}"
 RSS_AFTER=$(rss_kib $GW_PG); HWM=$(hwm_kib $GW_PG)
 
 # --- the table ---------------------------------------------------------------
@@ -239,10 +265,15 @@ table("Pass-through, a new connection per request (`oha --disable-keepalive`)", 
 table("Replay (one key, already completed)", "replay", ["idemgate-pass", "idemgate-sqlite", "idemgate-redis-pg"], "idemgate-pass")
 table("First requests (a new key every request; claim durable before forwarding)", "first-requests", ["pgbench-insert", "idemgate-redis-pg", "idemgate-sqlite"], "pgbench-insert")
 table("Token flow (fetch a token, then use it; req/s = flows/s)", "token-flow", ["idemgate-sqlite", "idemgate-redis-pg"])
-p("## Duplicate storm (1000 concurrent requests, one key, upstream = demo-upstream)\n\n| store | executions | statuses | p99 ms |\n|---|---|---|---|")
+p("## Duplicate storm (1000 concurrent requests, one key, upstream = demo-upstream)\n\n| store | on_concurrent | executions | statuses | p99 ms | one request alone, p99 ms |\n|---|---|---|---|---|---|")
 for t, e in (("idemgate-redis-pg", exec_pg), ("idemgate-sqlite", exec_sqlite)):
-    r = [x for x in rows if x['scenario'] == 'storm' and x['target'] == t][-1]
-    p(f"| {t} | {e} | {r['statuses']} | {r['p99_ms']:.1f} |")
+    reject, wait = (e.split("/") + ["?"])[:2]
+    for mode, scenario, count in (("reject", "storm", reject), ("wait", "storm-wait", wait)):
+        rs = [x for x in rows if x['scenario'] == scenario and x['target'] == t]
+        single = [x for x in rows if x['scenario'] == 'single' and x['target'] == t]
+        if not rs: continue
+        alone = f"{single[-1]['p99_ms']:.1f}" if single and mode == "wait" else ""
+        p(f"| {t} | {mode} | {count} | {rs[-1]['statuses']} | {rs[-1]['p99_ms']:.1f} | {alone} |")
 p(f"\n## Memory (Redis + Postgres gateway)\n\nRSS before the storm {int(rss0)//1024} MiB, after {int(rss1)//1024} MiB, peak over the whole run {int(hwm)//1024} MiB.\n")
 print("\n".join(out))
 PY

@@ -130,7 +130,7 @@ async fn purge_key(
             if purged.removed > 0 {
                 // Other instances' in-process layers follow the purge log;
                 // answer once they have.
-                tokio::time::sleep(crate::store::purges::SETTLE).await;
+                tokio::time::sleep(crate::store::purges::settle(state.store.sql().timeout())).await;
             }
             tracing::info!(route = %route, key = %crate::store::key_ref(&key), purged = purged.removed, layer = "admin", "records purged");
             Json(json!({"purged": purged.removed})).into_response()

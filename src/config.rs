@@ -86,8 +86,8 @@ pub struct ServerConfig {
     #[serde(default = "default_body_read_timeout")]
     pub body_read_timeout: HumanDuration,
     /// Connections beyond this wait in the kernel's accept queue. Split
-    /// evenly across worker threads (each has its own listening socket, and
-    /// a shared count could leave a connection waiting on one thread while
+    /// evenly across worker threads (each counts its own connections: a
+    /// shared count could leave a connection waiting on one thread while
     /// another holds the last slot).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,

@@ -8,10 +8,8 @@ use idemgate::config::{Config, DEFAULT_CONFIG_PATH};
 
 /// jemalloc instead of glibc malloc: the proxy path allocates and frees
 /// many small buffers per request (header maps, body frames, boxed
-/// futures). Measured on pass-through (callgrind, `loadtest/profile.sh`)
-/// and at 1,000 connections: glibc 27.0k instructions per request and
-/// 36 MiB peak; mimalloc 24.9k but 65 MiB (over the 64 MiB budget);
-/// jemalloc 24.4k and 40 MiB.
+/// futures); jemalloc costs the fewest instructions per request within the
+/// memory budget (the comparison is in `loadtest/README.md`).
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
@@ -162,7 +160,8 @@ async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
             if purged.removed > 0 {
                 // Until every gateway's in-process fast layer has read the
                 // purge log, one of them could still replay the key.
-                tokio::time::sleep(idemgate::store::purges::SETTLE).await;
+                tokio::time::sleep(idemgate::store::purges::settle(config.store.timeout.get()))
+                    .await;
             }
             println!("purged {} record(s)", purged.removed);
             if purged.held > 0 {

@@ -175,6 +175,15 @@ impl Metrics {
         .fetch_add(1, Ordering::Relaxed);
     }
 
+    /// How many requests went down the SQL path because `layer` failed.
+    pub fn fallbacks(&self, layer: FallbackLayer) -> u64 {
+        match layer {
+            FallbackLayer::Redis => &self.fallback_redis,
+            FallbackLayer::Memory => &self.fallback_memory,
+        }
+        .load(Ordering::Relaxed)
+    }
+
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(4096);

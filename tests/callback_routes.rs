@@ -117,7 +117,9 @@ async fn the_incident_lost_ack_then_provider_retries_executes_once() {
             stats.executions["pay_order"][&order]
         );
     }
-    // Later redeliveries get the stored acknowledgement.
+    // Later redeliveries get the stored acknowledgement, without reaching
+    // the upstream (its state machine would hide a forwarded repeat).
+    let seen = stack.upstream.state.stats().requests;
     let again = stack
         .http
         .send(
@@ -129,6 +131,7 @@ async fn the_incident_lost_ack_then_provider_retries_executes_once() {
         .await;
     assert_eq!(again.status, 200);
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(stack.upstream.state.stats().requests, seen);
     stack.shutdown().await;
 }
 

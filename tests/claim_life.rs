@@ -465,3 +465,50 @@ async fn a_shutdown_records_the_claims_in_flight_before_it_exits_redis_postgres(
         shutdown_case(backend).await;
     }
 }
+
+// === the client hangs up at once, while its claim is being written ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_before_its_claim_is_written_is_still_seen_through() {
+    let stack = Backend::sqlite().stack("30s", "1s", "10s").await;
+    for i in 0..20 {
+        let key = format!("g-{i}");
+        hang_up_after(
+            stack.gateway.public_addr,
+            "/actions/gone",
+            &key,
+            Duration::ZERO,
+        )
+        .await;
+    }
+    // Whatever moment each client left at, every claim that was won is
+    // forwarded and recorded: no key stays held for the 30 s lease, and a
+    // retry replays instead of executing again.
+    let done = support::eventually(Duration::from_secs(5), || async {
+        stack
+            .gateway
+            .metrics
+            .claims_in_flight
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 0
+    })
+    .await;
+    assert!(done);
+    let executed = executions(&stack, "gone");
+    for i in 0..20 {
+        let a = post(&stack, "/actions/gone", &format!("g-{i}")).await;
+        assert_eq!(a.status, 201, "{i}: {:?}", a.body);
+    }
+    // Each key ran exactly once: before the hang-up was noticed or on its
+    // retry, never both.
+    assert_eq!(
+        executions(&stack, "gone"),
+        20,
+        "{executed} ran before the retries"
+    );
+    for i in 0..20 {
+        let a = post(&stack, "/actions/gone", &format!("g-{i}")).await;
+        assert_eq!(a.header("idempotent-replayed"), Some("true"));
+    }
+    stack.shutdown().await;
+}

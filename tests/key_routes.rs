@@ -366,9 +366,13 @@ async fn lost_ack_is_uncertain_and_the_retry_is_decided_by_the_upstream_state() 
         "coupon deducted once"
     );
     assert_eq!(stats.executions["create_order"].values().sum::<u64>(), 1);
-    // And from now on it replays.
+    assert_eq!(stats.requests, 2, "the lost attempt and its one retry");
+    // And from now on it replays: the upstream is not asked again (a
+    // proxy without a record would forward every retry, and the state
+    // machine alone would hide it).
     let third = post(&stack, "/orders", "order-1", order, &[]).await;
     assert_eq!(third.header("idempotent-replayed"), Some("true"));
+    assert_eq!(stack.upstream.state.stats().requests, 2);
     stack.shutdown().await;
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idemgate::metrics::Metrics;
+use idemgate::metrics::{FallbackLayer, Metrics};
 use idemgate::store::memory::MemoryLayer;
 use idemgate::store::redis::RedisLayer;
 use idemgate::store::sql::{SqlSettings, SqlStore};
@@ -30,6 +30,24 @@ struct Opened {
     store: Store,
     metrics: Arc<Metrics>,
     _dir: Option<tempfile::TempDir>,
+}
+
+/// Every conformance test ends with the fast layer having answered every
+/// call it was asked: a suite on "Redis + Postgres" whose Redis calls all
+/// fell back would only have tested Postgres.
+impl Drop for Opened {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        for layer in [FallbackLayer::Redis, FallbackLayer::Memory] {
+            assert_eq!(
+                self.metrics.fallbacks(layer),
+                0,
+                "{layer:?} fell back: the fast layer was not what this test exercised"
+            );
+        }
+    }
 }
 
 async fn sql_store(backend: Backend, test: &str) -> Option<(SqlStore, Option<tempfile::TempDir>)> {
@@ -120,6 +138,51 @@ async fn concurrent_claims_have_one_winner(backend: Backend, test: &str) {
         .filter(|r| matches!(r.as_ref().unwrap(), Claim::InFlight { .. }))
         .count();
     assert_eq!((won, in_flight), (1, 199), "{backend:?}");
+}
+
+/// Check-and-claim is one atomic statement, not a read then a write: two
+/// stores with pools of their own (as two gateway instances have) race on
+/// one key, and the database alone decides. A single store's batch writer
+/// serialises its own claims, so it could not show this.
+async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str) {
+    let (sql_a, dir) = match sql_store(backend, test).await {
+        Some(s) => s,
+        None => return,
+    };
+    let url = match (&backend, &dir) {
+        (Backend::Sqlite | Backend::MemorySqlite, Some(dir)) => {
+            format!("sqlite://{}/records.db", dir.path().display())
+        }
+        _ => sql_a.url_for_tests().to_owned(),
+    };
+    let sql_b = SqlStore::connect(&SqlSettings {
+        url,
+        pool_size: 8,
+        timeout: Duration::from_secs(2),
+    })
+    .await
+    .unwrap();
+    let settings = StoreSettings {
+        lease: LONG,
+        retention: LONG,
+        fast_layer_budget: Duration::from_millis(200),
+    };
+    let a = Store::new(sql_a, None, settings, Arc::new(Metrics::default()));
+    let b = Store::new(sql_b, None, settings, Arc::new(Metrics::default()));
+    for round in 0..5 {
+        let k = key(&format!("race-{round}"));
+        let claims = (0..100).map(|i| {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let k = k.clone();
+            tokio::spawn(async move { store.claim(&k, "fp", "rid").await.unwrap() })
+        });
+        let won = futures_util::future::join_all(claims)
+            .await
+            .into_iter()
+            .filter(|r| matches!(r.as_ref().unwrap(), Claim::Won { .. }))
+            .count();
+        assert_eq!(won, 1, "{backend:?} round {round}");
+    }
 }
 
 async fn completed_claims_replay_and_mismatch(backend: Backend, test: &str) {
@@ -290,7 +353,6 @@ async fn sweep_removes_or_archives_expired_records(backend: Backend, test: &str)
     assert_eq!(sweep::sweep_once(o.store.sql(), true).await.unwrap(), 1);
     assert_eq!(o.store.sql().archived().await.unwrap(), 1);
     assert!(o.store.get(&k).await.unwrap().is_none());
-    let _ = o.metrics;
 }
 
 async fn purge_removes_every_scope(backend: Backend, test: &str) {
@@ -368,6 +430,7 @@ macro_rules! conformance {
 
 conformance!(
     concurrent_claims_have_one_winner,
+    independent_stores_racing_have_one_winner,
     completed_claims_replay_and_mismatch,
     expired_lease_is_taken_over_and_the_old_holder_fenced,
     released_claims_can_be_claimed_again,

@@ -256,8 +256,19 @@ impl Engine {
                     Some(&ticket.key),
                 );
             }
-            if let Some(stored) = self.wait_turn(&ticket, until, &mut pause).await {
-                return replay(stored);
+            match self.wait_turn(&ticket, until, &mut pause).await {
+                Some(Published::Stored(stored)) => return replay(stored),
+                Some(Published::Uncertain) => {
+                    return Problem::new(
+                        StatusCode::BAD_GATEWAY,
+                        "outcome-uncertain",
+                        "The first request with this key reached the upstream, but no answer came back",
+                    )
+                    .detail("retry with the same key: the retry is forwarded with the same key, for the upstream's own check")
+                    .logged(P::LAYER, format!("key {}: waited for an uncertain outcome", ticket.key.escaped()))
+                    .into_response();
+                }
+                Some(Published::Retry) | None => {}
             }
         }
     }
@@ -334,14 +345,13 @@ impl Engine {
 
     /// A duplicate's wait: for this process's holder of the key to publish
     /// its outcome, or — when the holder runs elsewhere (another instance)
-    /// — a poll interval. `Some` is the outcome to replay; `None` means
-    /// claim again.
+    /// — a poll interval. `None` means claim again.
     async fn wait_turn(
         &self,
         ticket: &Ticket,
         until: Instant,
         pause: &mut Duration,
-    ) -> Option<StoredResponse> {
+    ) -> Option<Published> {
         let Some(mut outcome) = self.holders.subscribe(&ticket.key, &ticket.fingerprint) else {
             // No holder here: it runs on another instance (or has just
             // finished). Poll the claim, backing off.
@@ -352,10 +362,7 @@ impl Engine {
         let published = outcome.wait_for(|o| o.is_some());
         let safety = (Instant::now() + WAIT_SAFETY_POLL).min(until);
         match tokio::time::timeout_at(safety.into(), published).await {
-            Ok(Ok(seen)) => match &*seen {
-                Some(Published::Stored(stored)) => Some(stored.clone()),
-                _ => None,
-            },
+            Ok(Ok(seen)) => seen.clone(),
             // The holder is gone (its task ended) or the safety poll is due.
             Ok(Err(_)) | Err(_) => None,
         }

@@ -32,9 +32,6 @@ use crate::error::Problem;
 use crate::proxy::ForwardFailure;
 use crate::store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
 
-/// Record writes after the first that a holder tries before it gives up
-/// (the record is then taken over after its lease, like a dead holder's).
-pub const WRITE_RETRIES: u32 = 20;
 /// Pause before the first retry of a failed record write; it doubles.
 pub const WRITE_BACKOFF_START: Duration = Duration::from_millis(100);
 /// Longest pause between two tries of a record write.
@@ -72,8 +69,13 @@ pub enum Write {
 pub enum Outcome {
     /// Replay this.
     Stored(StoredResponse),
-    /// The claim was released or became uncertain: claim again.
+    /// The claim was released (nothing happened upstream): claim again.
     Retry,
+    /// The request may have reached the upstream and no answer came back:
+    /// the waiter is told so, and is not forwarded at once — the first copy
+    /// may still be running there. Its client's retry is forwarded, one at
+    /// a time, with the same key.
+    Uncertain,
 }
 
 /// The record writes a holder makes: the store in the gateway, a scripted
@@ -128,10 +130,16 @@ impl Ledger for Store {
     }
 
     async fn settled(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
-        Ok(self
+        let settled = self
             .get(key)
             .await?
-            .is_some_and(|r| r.epoch == epoch && r.state != RecordState::InFlight))
+            .is_some_and(|r| r.epoch == epoch && r.state != RecordState::InFlight);
+        if settled {
+            // The write landed behind a timeout: the fast layer still holds
+            // the in-flight marker. Drop it; SQL answers (and re-caches).
+            self.forget(key).await;
+        }
+        Ok(settled)
     }
 }
 
@@ -275,10 +283,12 @@ impl<L: Ledger> Holder<L> {
             key: self.key.clone(),
             epoch: self.epoch,
         };
+        let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let _renewal = AbortOnDrop(tokio::spawn(renew(
             self.ledger.clone(),
             self.key.clone(),
             self.epoch,
+            lost.clone(),
         )));
         self.holders
             .set_stage(&self.key, self.epoch, Stage::Forwarded);
@@ -315,12 +325,16 @@ impl<L: Ledger> Holder<L> {
         let first = self.write_once(&write).await;
         reply(response);
         if first.is_err() {
-            self.write_until_durable(&write).await;
+            self.write_until_durable(&write, &lost).await;
         }
         self.holders
             .set_stage(&self.key, self.epoch, Stage::Recorded);
-        if !matches!(write, Write::Complete(_)) {
-            self.holders.publish(&self.key, self.epoch, Outcome::Retry);
+        match write {
+            Write::Complete(_) => {}
+            Write::Release => self.holders.publish(&self.key, self.epoch, Outcome::Retry),
+            Write::Uncertain => self
+                .holders
+                .publish(&self.key, self.epoch, Outcome::Uncertain),
         }
     }
 
@@ -349,11 +363,25 @@ impl<L: Ledger> Holder<L> {
         }
     }
 
-    async fn write_until_durable(&self, write: &Write) {
+    /// Retries the write for as long as the claim is held: the answer is
+    /// in hand, and throwing it away would let a retry execute the action
+    /// again (SPEC §1 rule 6). It stops only when the write lands, the
+    /// fence refuses it, or the lease was lost (another holder owns the
+    /// record now) — or when the process ends (a shutdown past its grace
+    /// logs the key; the record is then taken over after its lease).
+    async fn write_until_durable(&self, write: &Write, lost: &std::sync::atomic::AtomicBool) {
         let mut pause = WRITE_BACKOFF_START;
-        for attempt in 1..=WRITE_RETRIES {
+        for attempt in 1u64.. {
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(WRITE_BACKOFF_MAX);
+            if lost.load(std::sync::atomic::Ordering::Relaxed) {
+                tracing::error!(
+                    route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
+                    epoch = self.epoch, attempt,
+                    "outcome not recorded: the lease was lost while the database was away; the record is taken over and the retry forwarded with the same key"
+                );
+                return;
+            }
             // A try that timed out may have committed all the same.
             if let Ok(true) = self.ledger.settled(&self.key, self.epoch).await {
                 return;
@@ -366,11 +394,6 @@ impl<L: Ledger> Holder<L> {
                 return;
             }
         }
-        tracing::error!(
-            route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
-            epoch = self.epoch, tries = WRITE_RETRIES + 1,
-            "outcome not recorded; the record is taken over after its lease and the retry forwarded with the same key"
-        );
     }
 }
 
@@ -425,8 +448,13 @@ where
 }
 
 /// Renews the lease every third of its length until aborted, or until the
-/// claim turns out to be taken over.
-async fn renew<L: Ledger>(ledger: L, key: RecordKey, epoch: i64) {
+/// claim turns out to be taken over (then `lost` is set).
+async fn renew<L: Ledger>(
+    ledger: L,
+    key: RecordKey,
+    epoch: i64,
+    lost: Arc<std::sync::atomic::AtomicBool>,
+) {
     let every = ledger.lease() / 3;
     let mut pause = every;
     loop {
@@ -434,6 +462,7 @@ async fn renew<L: Ledger>(ledger: L, key: RecordKey, epoch: i64) {
         match ledger.renew(&key, epoch).await {
             Ok(true) => pause = every,
             Ok(false) => {
+                lost.store(true, std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(route = %key.route, key = %key.escaped(), epoch, layer = "holder", "lease lost while the claim was held");
                 return;
             }
@@ -603,10 +632,16 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_whole_response_is_bounded_by_the_deadline_and_then_uncertain() {
         let script = Script::default();
-        let (holder, _) = holder(&script, Duration::from_secs(2));
-        let response = run(holder, upstream(201, Duration::from_secs(60)))
-            .await
-            .unwrap();
+        let (holder, holders) = holder(&script, Duration::from_secs(2));
+        let key = holder.key.clone();
+        let task = tokio::spawn(run(holder, upstream(201, Duration::from_secs(60))));
+        tokio::task::yield_now().await;
+        // A waiter learns the outcome is uncertain: it must not be
+        // forwarded beside a copy that may still run upstream.
+        let mut outcome = holders.subscribe(&key, "fp").expect("registered");
+        let seen = outcome.wait_for(|o| o.is_some()).await.map(|o| o.clone());
+        assert!(matches!(seen, Ok(Some(Outcome::Uncertain))), "{seen:?}");
+        let response = task.await.unwrap().unwrap();
         assert_eq!(response.status(), StatusCode::GATEWAY_TIMEOUT);
         let writes = script.writes.lock().unwrap().clone();
         assert_eq!(writes.len(), 1);

@@ -5,7 +5,7 @@
 //! connection's buffer, and when the whole answer arrived with its head it
 //! is handed on as one buffer and the connection goes straight back to the
 //! pool. There is no connection task and no channel in between; that is
-//! what makes pass-through cost about what nginx's costs (issue #6).
+//! what makes pass-through cost about what nginx's costs.
 //!
 //! A request is re-sent on a fresh connection only when it could not have
 //! reached the upstream: its write to a pooled connection failed and the

@@ -19,9 +19,9 @@ impl ClientAddr {
     /// The peer at `addr`.
     pub fn new(addr: SocketAddr) -> Self {
         let ip_text = match addr.ip() {
-            // Once per connection, but `Display` for an address costs 1.6k
-            // instructions, a tenth of a whole request served on a new
-            // connection (measured with callgrind); octets are cheap.
+            // Once per connection, but `Display` for an address costs a
+            // tenth of a whole request served on a new connection; octets
+            // are cheap.
             IpAddr::V4(v4) => {
                 let mut text = [0u8; 15];
                 let len = ipv4_text(v4.octets(), &mut text);

@@ -3,7 +3,7 @@
 //!
 //! The gateway speaks to upstreams through this small codec instead of a
 //! general-purpose client because the pass-through path is measured against
-//! nginx (issue #6): a request head is written with one `write`, a response
+//! nginx: a request head is written with one `write`, a response
 //! whose body is already in the read buffer is answered without a body
 //! task, and nothing crosses a channel. Everything here is strict: a
 //! response that could be framed two ways (`Transfer-Encoding` and a

@@ -2,8 +2,7 @@
 //!
 //! Workers accept from one shared socket and whichever is woken first takes
 //! the connection, so a burst of new connections (a load balancer or a load
-//! generator opening its pool) lands mostly on one worker: measured up to
-//! 68/32 for 50 connections. A keep-alive connection stays on its worker
+//! generator opening its pool) lands mostly on one worker. A keep-alive connection stays on its worker
 //! for its whole life, so the busier worker queues requests while the other
 //! idles, which costs throughput and lengthens the tail. nginx evens this
 //! out by letting a busy worker skip accepting; here a worker that already

@@ -93,8 +93,7 @@ pub async fn serve<F, S, E>(
         .header_read_timeout(limits.header_read_timeout)
         .keep_alive(true)
         // Answers are mostly small: one flat buffer (head and body copied
-        // together) costs less than queueing buffers for `writev`, measured
-        // per request with callgrind.
+        // together) costs less than queueing buffers for `writev`.
         .writev(false);
     loop {
         // Take a connection slot before accepting, so a flood waits in the
@@ -129,8 +128,7 @@ pub async fn serve<F, S, E>(
         let _ = stream.set_nodelay(true);
         let connection = builder.serve_connection(TokioIo::new(stream), make_service(peer));
         // Boxed once here: the connection's state is large, and unboxed it
-        // would be copied whole at every move into the spawned task
-        // (measured: 3.5k instructions of memcpy per new connection).
+        // would be copied whole at every move into the spawned task.
         let connection = Box::pin(graceful.watch(connection));
         tokio::spawn(async move {
             if let Err(e) = connection.await {

@@ -4,9 +4,11 @@
 //! the CLI or by another instance cannot touch it directly. Every purge is
 //! therefore logged in SQL (`idempotency_purges`), and each gateway whose
 //! fast layer is in-process follows that log: every [`FOLLOW_EVERY`] it
-//! reads the purges past the last one it saw and forgets their keys. A
-//! purge command waits [`SETTLE`] before it reports success, so that when
-//! the operator is told "purged", no layer still replays the key.
+//! reads the purges past the last one it saw (and a trailing window before
+//! it: ids of concurrent purges may commit out of order; forgetting twice
+//! is harmless) and forgets their keys. A purge command waits [`settle`]
+//! before it reports success, so that when the operator is told "purged",
+//! no layer still replays the key.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,8 +18,14 @@ use super::sql::SqlStore;
 
 /// How often a gateway reads the purge log.
 pub const FOLLOW_EVERY: Duration = Duration::from_secs(1);
-/// How long a purge waits for every follower to have read it.
-pub const SETTLE: Duration = Duration::from_millis(1300);
+/// Ids re-read behind the last one seen.
+const TRAILING: i64 = 100;
+
+/// How long a purge waits for every follower to have read it: a poll
+/// interval plus one read bounded by `store_timeout`, and a margin.
+pub fn settle(store_timeout: Duration) -> Duration {
+    FOLLOW_EVERY + store_timeout + Duration::from_millis(300)
+}
 /// Logged purges older than this are trimmed by the sweeper.
 pub const KEEP_FOR: Duration = Duration::from_secs(3600);
 
@@ -38,12 +46,12 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
-            match sql.purges_since(last).await {
+            match sql.purges_since((last - TRAILING).max(0)).await {
                 Ok(purges) => {
                     for purge in purges {
                         let n = memory.forget(&purge.route, &purge.key, purge.scope.as_deref());
                         tracing::debug!(route = %purge.route, key = %super::key_ref(&purge.key), forgotten = n, layer = "memory", "followed a purge");
-                        last = purge.id;
+                        last = last.max(purge.id);
                     }
                 }
                 Err(e) => {

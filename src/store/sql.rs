@@ -64,6 +64,7 @@ macro_rules! with_pool {
 #[derive(Clone)]
 pub struct SqlStore {
     pool: Pool,
+    url: std::sync::Arc<str>,
     timeout: Duration,
     /// Whether batch writers keep a Postgres connection between batches
     /// (see [`super::held`]): only with room left in the pool.
@@ -144,9 +145,8 @@ impl SqlStore {
                 .acquire_timeout(settings.timeout)
                 // sqlx pings every connection it hands out by default: a
                 // second round trip (and a second Postgres wake-up) for each
-                // batch, measured at 8% of first-request throughput. A
-                // connection used moments ago is known to be alive; only one
-                // that sat idle is checked, as HikariCP does.
+                // batch. A connection used moments ago is known to be alive;
+                // only one that sat idle is checked, as HikariCP does.
                 .test_before_acquire(false)
                 .before_acquire(|conn, meta| {
                     Box::pin(async move {
@@ -162,6 +162,7 @@ impl SqlStore {
             Pool::Postgres(pool)
         };
         Ok(SqlStore {
+            url: settings.url.as_str().into(),
             hold_batch_connections: matches!(pool, Pool::Postgres(_))
                 && settings.pool_size >= super::held::MIN_POOL_TO_HOLD,
             pool,
@@ -602,32 +603,32 @@ impl SqlStore {
         scope: Option<&str>,
     ) -> Result<Purged, StoreError> {
         let statements = self.sql();
+        // The delete and its log entry commit together: a purge that other
+        // gateways never hear of would leave their in-process layers
+        // replaying the key.
         let removed = self
             .bounded("purge", async {
                 with_pool!(self, pool => {
-                    match scope {
+                    let mut tx = pool.begin().await?;
+                    let removed = match scope {
                         Some(scope) => sqlx::query(statements.purge_one.as_str())
                             .bind(scope).bind(route).bind(key)
-                            .execute(pool).await,
+                            .execute(&mut *tx).await?,
                         None => sqlx::query(statements.purge_all_scopes.as_str())
                             .bind(route).bind(key)
-                            .execute(pool).await,
+                            .execute(&mut *tx).await?,
                     }
-                    .map(|r| r.rows_affected())
+                    .rows_affected();
+                    if removed > 0 {
+                        sqlx::query(statements.log_purge.as_str())
+                            .bind(route).bind(key).bind(scope)
+                            .execute(&mut *tx).await?;
+                    }
+                    tx.commit().await?;
+                    Ok(removed)
                 })
             })
             .await?;
-        if removed > 0 {
-            // Tell every in-process fast layer (see `purges_since`).
-            let log = statements.log_purge.as_str();
-            self.bounded("purge", async {
-                with_pool!(self, pool => {
-                    sqlx::query(log).bind(route).bind(key).bind(scope)
-                        .execute(pool).await.map(|_| ())
-                })
-            })
-            .await?;
-        }
         let held = self
             .find(route, key)
             .await?
@@ -663,13 +664,19 @@ impl SqlStore {
                     // no other writer can run until COMMIT.
                     let mut conn = pool.acquire().await?;
                     let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                    let now: i64 = sqlx::query(statements.now.as_str())
+                        .fetch_one(&mut *tx)
+                        .await?
+                        .try_get(0)?;
                     let copied = sqlx::query(statements.sweep_archive_copy_sqlite.as_str())
                         .bind(SWEEP_BATCH)
+                        .bind(now)
                         .execute(&mut *tx)
                         .await?
                         .rows_affected();
-                    sqlx::query(statements.sweep_delete.as_str())
+                    sqlx::query(statements.sweep_delete_at.as_str())
                         .bind(SWEEP_BATCH)
+                        .bind(now)
                         .execute(&mut *tx)
                         .await?;
                     tx.commit().await?;
@@ -719,6 +726,21 @@ impl SqlStore {
         self.bounded("purges", async {
             with_pool!(self, pool => {
                 sqlx::query(statement).bind(millis(age)).execute(pool).await.map(|r| r.rows_affected())
+            })
+        })
+        .await
+    }
+
+    /// The URL this store connected to (tests open a second store on it).
+    pub fn url_for_tests(&self) -> &str {
+        &self.url
+    }
+
+    /// Rows in the record table (operators, tests).
+    pub async fn records(&self) -> Result<i64, StoreError> {
+        self.bounded("records", async {
+            with_pool!(self, pool => {
+                sqlx::query("SELECT COUNT(*) FROM idempotency_records").fetch_one(pool).await?.try_get::<i64, _>(0)
             })
         })
         .await

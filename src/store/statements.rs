@@ -55,9 +55,14 @@ pub(super) struct Statements {
     pub sweep_delete: String,
     /// Postgres: move `$1` expired rows to the archive in one statement.
     pub sweep_archive_pg: String,
-    /// SQLite: copy `$1` expired rows (then `sweep_delete`, in one
-    /// transaction).
+    /// SQLite: copy `$1` rows expired at time `$2` (then
+    /// `sweep_delete_at` with the same `$2`, in one transaction: both must
+    /// see the same rows, so the time is read once and bound).
     pub sweep_archive_copy_sqlite: String,
+    /// `sweep_delete` with the time bound as `$2`.
+    pub sweep_delete_at: String,
+    /// The database's clock.
+    pub now: String,
 }
 
 /// Postgres's clock, in milliseconds; `clock_timestamp()` is the time the
@@ -84,6 +89,11 @@ const NOT_HELD: &str = "NOT (state = 'in_flight' AND lease_until > {now})";
 
 impl Statements {
     fn with_clock(now: &str, epoch: &str) -> Statements {
+        // For statements that must agree on one instant: the time is `$2`.
+        let fill_at = |text: &str| {
+            text.replace("{sweepable}", &SWEEPABLE.replace("{now}", "$2"))
+                .replace("{now}", "$2")
+        };
         let fill = |text: &str| {
             text.replace("{sweepable}", SWEEPABLE)
                 .replace("{not_held}", NOT_HELD)
@@ -210,7 +220,14 @@ impl Statements {
                         headers, body, body_kept, created_at, updated_at, expires_at, {now} \
                  FROM moved",
             ),
-            sweep_archive_copy_sqlite: fill(
+            sweep_delete_at: fill_at(
+                "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
+                   SELECT route, idem_key, scope FROM idempotency_records \
+                   WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
+                 AND {sweepable}",
+            ),
+            now: fill("SELECT {now}"),
+            sweep_archive_copy_sqlite: fill_at(
                 "INSERT INTO idempotency_archive (scope, route, idem_key, fingerprint, state, \
                    epoch, request_id, status, headers, body, body_kept, created_at, updated_at, \
                    expires_at, archived_at) \

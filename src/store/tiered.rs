@@ -196,7 +196,15 @@ impl Store {
                 None => {}
             }
         }
-        let answer = self.claim_in_sql(key, fingerprint, request_id).await;
+        // The whole SQL half (insert, takeover, read) within one
+        // `store.timeout`, not one per statement.
+        let bound = self.sql.timeout();
+        let answer = tokio::time::timeout(bound, self.claim_in_sql(key, fingerprint, request_id))
+            .await
+            .unwrap_or(Err(StoreError::Timeout {
+                op: "claim",
+                after: bound,
+            }));
         self.metrics.store_latency.observe(started.elapsed());
         let (claim, left) = match answer {
             Ok((claim, left)) => (Ok(claim), left),
@@ -284,6 +292,11 @@ impl Store {
             };
             self.fast("put", fast.put(&entry, left)).await;
         }
+        if left.is_none() {
+            // Refused by the fence: whatever the fast layer holds for this
+            // key is not ours to keep; SQL decides from here.
+            self.forget(key).await;
+        }
         Ok(left.is_some())
     }
 
@@ -370,7 +383,8 @@ impl Store {
         Ok(removed)
     }
 
-    async fn forget(&self, key: &RecordKey) {
+    /// Drops whatever the fast layer holds for `key` (SQL answers next).
+    pub async fn forget(&self, key: &RecordKey) {
         if let Some(fast) = &self.fast {
             self.fast("remove", fast.remove(key)).await;
         }
