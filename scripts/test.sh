@@ -7,4 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
-exec cargo test --all-targets "$@"
+cargo test --all-targets "$@"
+# The library's quick start (src/library.rs) is a doc test.
+exec cargo test --doc "$@"

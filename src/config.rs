@@ -331,6 +331,15 @@ impl From<&str> for HumanDuration {
     }
 }
 
+impl From<Duration> for HumanDuration {
+    fn from(d: Duration) -> Self {
+        HumanDuration {
+            raw: humantime::format_duration(d).to_string(),
+            parsed: Some(d),
+        }
+    }
+}
+
 // === defaults ===
 
 fn default_listen() -> String {

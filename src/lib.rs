@@ -14,8 +14,9 @@
 //! - [`store`]: the SQL record (truth) behind a Redis or in-process fast
 //!   layer; claims, fencing, retention.
 //! - [`identity`]: the client scope every record is keyed by.
-//! - [`idempotency`]: the engine (claim → forward → store → replay) and the
-//!   policy layer every protected route runs.
+//! - [`idempotency`]: the engine (claim → hold → replay), the holder that
+//!   sees a won claim through whatever its client does, and the policy
+//!   layer every protected route runs.
 //! - [`token`]: one-time tokens — `/token`, verification, the token policy.
 //! - [`callback`]: business keys and signatures for callback routes.
 //! - [`error`]: the one place errors become `application/problem+json`.
@@ -23,6 +24,8 @@
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/*`.
 //! - [`demo_upstream`]: the order/payment/coupon service the demo, tests and
 //!   load tests run against.
+//! - [`library`]: the layers as a library, for axum or any tower service
+//!   (see `examples/orders.rs`).
 
 pub mod admin;
 pub mod callback;
@@ -33,6 +36,7 @@ pub mod error;
 pub mod gateway;
 pub mod idempotency;
 pub mod identity;
+pub mod library;
 pub mod metrics;
 pub mod proxy;
 pub mod request_id;

@@ -293,6 +293,7 @@ impl Engine {
             fingerprint,
             request_id,
         } = &*ticket;
+        let claimed_at = tokio::time::Instant::now();
         let epoch = match self.store.claim(key, fingerprint, request_id).await {
             Ok(Claim::Won { epoch }) => epoch,
             Ok(Claim::InFlight { retry_after }) => {
@@ -332,6 +333,7 @@ impl Engine {
             deadline: self.settings.wait_limit,
             max_stored_body_bytes: self.settings.max_stored_body_bytes,
             layer: P::LAYER,
+            claimed_at,
         };
         let in_flight = &self.metrics.claims_in_flight;
         in_flight.fetch_add(1, Ordering::Relaxed);

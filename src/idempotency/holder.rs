@@ -260,6 +260,9 @@ pub struct Holder<L> {
     pub max_stored_body_bytes: usize,
     /// The policy layer's name, for logs.
     pub layer: &'static str,
+    /// When the claim was submitted: the lease counts from its insert, so
+    /// renewals are timed from here, not from when the holder started.
+    pub claimed_at: tokio::time::Instant,
 }
 
 impl<L: Ledger> Holder<L> {
@@ -288,6 +291,7 @@ impl<L: Ledger> Holder<L> {
             self.ledger.clone(),
             self.key.clone(),
             self.epoch,
+            self.claimed_at,
             lost.clone(),
         )));
         self.holders
@@ -409,7 +413,24 @@ where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
     S::Future: Send,
 {
-    let response = super::engine::forward_plain(inner, request).await;
+    // An in-process handler (the library's use) that panics may have acted
+    // before it did: the outcome is uncertain, never a lost claim.
+    let forwarded = std::panic::AssertUnwindSafe(super::engine::forward_plain(inner, request));
+    let response = match futures_util::FutureExt::catch_unwind(forwarded).await {
+        Ok(response) => response,
+        Err(_) => {
+            let problem = Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "handler-panicked",
+                "The handler failed before a complete answer",
+            )
+            .logged(
+                "holder",
+                "the inner service panicked; the outcome is uncertain",
+            );
+            return (Write::Uncertain, problem.into_response());
+        }
+    };
     match response.extensions().get::<ForwardFailure>() {
         Some(ForwardFailure::NotSent) => return (Write::Release, response),
         Some(ForwardFailure::Uncertain) => return (Write::Uncertain, response),
@@ -453,14 +474,15 @@ async fn renew<L: Ledger>(
     ledger: L,
     key: RecordKey,
     epoch: i64,
+    claimed_at: tokio::time::Instant,
     lost: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let every = ledger.lease() / 3;
-    let mut pause = every;
+    let mut next = claimed_at + every;
     loop {
-        tokio::time::sleep(pause).await;
-        match ledger.renew(&key, epoch).await {
-            Ok(true) => pause = every,
+        tokio::time::sleep_until(next).await;
+        let pause = match ledger.renew(&key, epoch).await {
+            Ok(true) => every,
             Ok(false) => {
                 lost.store(true, std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(route = %key.route, key = %key.escaped(), epoch, layer = "holder", "lease lost while the claim was held");
@@ -468,9 +490,10 @@ async fn renew<L: Ledger>(
             }
             Err(e) => {
                 tracing::warn!(route = %key.route, key = %key.escaped(), epoch, layer = "holder", error = %e, "renewing the lease failed; trying again");
-                pause = RENEW_RETRY.min(every);
+                RENEW_RETRY.min(every)
             }
-        }
+        };
+        next = tokio::time::Instant::now() + pause;
     }
 }
 
@@ -562,6 +585,7 @@ mod tests {
             deadline,
             max_stored_body_bytes: 1024,
             layer: "test",
+            claimed_at: Instant::now(),
         };
         (holder, holders)
     }
@@ -670,6 +694,22 @@ mod tests {
         assert_eq!(writes.len(), 5, "four failures, then durable");
         // 100 + 200 + 400 + 800 ms of backoff.
         assert_eq!(writes[4].0 - writes[0].0, Duration::from_millis(1500));
+        assert!(holders.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_handler_that_panics_leaves_an_uncertain_record_not_a_stuck_claim() {
+        let script = Script::default();
+        let (holder, holders) = holder(&script, Duration::from_secs(30));
+        let panicking = tower::service_fn(|_req: Request<Body>| async move {
+            if true {
+                panic!("the handler failed half-way");
+            }
+            Ok::<_, Infallible>(Response::new(Body::empty()))
+        });
+        let response = run(holder, panicking).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(script.writes.lock().unwrap()[0].1, Write::Uncertain);
         assert!(holders.is_empty());
     }
 

@@ -1,0 +1,162 @@
+//! The library (SPEC §6): `examples/orders.rs`, an axum app mounting the
+//! key, token and callback layers on its own handlers, started as a real
+//! process and driven over HTTP. Its handlers count every execution.
+
+mod support;
+
+use std::io::BufRead;
+use std::time::Duration;
+
+use support::Http;
+use tokio::io::AsyncWriteExt;
+
+struct Example {
+    child: std::process::Child,
+    base: String,
+}
+
+impl Drop for Example {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `orders` example, built beside this test by `cargo test --all-targets`.
+fn start_example() -> Example {
+    let exe = std::env::current_exe().unwrap();
+    let debug = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let binary = debug.join("examples").join("orders");
+    assert!(
+        binary.exists(),
+        "build the example first: cargo build --example orders ({binary:?})"
+    );
+    let mut child = std::process::Command::new(binary)
+        .arg("127.0.0.1:0")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line.trim().rsplit(' ').next().unwrap().to_owned();
+    Example {
+        child,
+        base: format!("http://{addr}"),
+    }
+}
+
+async fn stats(http: &Http, base: &str) -> serde_json::Value {
+    http.get(&format!("{base}/stats")).await.json()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_axum_app_with_the_three_layers_executes_each_action_once() {
+    let example = start_example();
+    let base = example.base.clone();
+    let http = Http::default();
+    let orders = format!("{base}/orders");
+
+    // Idempotency-Key: the repeat replays, another body is 422, no key 400.
+    let first = http
+        .send(
+            "POST",
+            &orders,
+            &[("idempotency-key", "k1")],
+            r#"{"item":"book"}"#,
+        )
+        .await;
+    assert_eq!(first.status, 201);
+    assert!(first.json()["key"].as_str().unwrap().starts_with("ig-"));
+    let again = http
+        .send(
+            "POST",
+            &orders,
+            &[("idempotency-key", "k1")],
+            r#"{"item":"book"}"#,
+        )
+        .await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    let other = http
+        .send(
+            "POST",
+            &orders,
+            &[("idempotency-key", "k1")],
+            r#"{"item":"pen"}"#,
+        )
+        .await;
+    assert_eq!(other.status, 422);
+    assert_eq!(http.send("POST", &orders, &[], "{}").await.status, 400);
+
+    // Tokens: fetched from the app's /token, one action each.
+    let token = http
+        .send("POST", &format!("{base}/token?route=checkout"), &[], "")
+        .await;
+    assert_eq!(token.status, 201);
+    let token = token.json()["token"].as_str().unwrap().to_owned();
+    for _ in 0..3 {
+        let a = http
+            .send(
+                "POST",
+                &format!("{base}/checkout"),
+                &[("idempotency-token", &token)],
+                "{}",
+            )
+            .await;
+        assert_eq!(a.status, 201);
+    }
+    let forged = http
+        .send(
+            "POST",
+            &format!("{base}/checkout"),
+            &[("idempotency-token", "v1.AAAA.BBBB")],
+            "{}",
+        )
+        .await;
+    assert_eq!(forged.status, 403);
+
+    // A callback redelivered with a rotated credential: one execution.
+    for auth in ["Bearer monday", "Bearer tuesday", "Bearer wednesday"] {
+        let a = http
+            .send(
+                "POST",
+                &format!("{base}/payments/notify"),
+                &[("authorization", auth)],
+                r#"{"trade_no":"T-1","amount":100}"#,
+            )
+            .await;
+        assert_eq!(a.status, 200);
+    }
+
+    // A client that hangs up before the handler answers: the handler still
+    // runs to the end and its outcome is recorded; the retry replays.
+    let addr = base.trim_start_matches("http://").to_owned();
+    let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    socket
+        .write_all(
+            b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-1\r\nX-Slow-Ms: 800\r\n\
+              Content-Length: 2\r\n\r\n{}",
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(socket);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let retry = http
+        .send(
+            "POST",
+            &orders,
+            &[("idempotency-key", "slow-1"), ("x-slow-ms", "800")],
+            "{}",
+        )
+        .await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+
+    let counts = stats(&http, &base).await;
+    assert_eq!(counts["orders"], 2, "{counts}");
+    assert_eq!(counts["checkouts"], 1, "{counts}");
+    assert_eq!(counts["payments"], 1, "{counts}");
+}
