@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
+# tests/library.rs starts the example app as a process.
+cargo build --example orders
 cargo test --all-targets "$@"
 # The library's quick start (src/library.rs) is a doc test.
 exec cargo test --doc "$@"

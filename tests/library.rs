@@ -22,15 +22,33 @@ impl Drop for Example {
     }
 }
 
-/// The `orders` example, built beside this test by `cargo test --all-targets`.
+/// The example's executable: `orders` when `cargo build --example orders`
+/// made it (scripts/test.sh does), else the newest `orders-<hash>` that
+/// `cargo test --all-targets` built.
+fn example_binary(dir: &std::path::Path) -> std::path::PathBuf {
+    let plain = dir.join("orders");
+    if plain.exists() {
+        return plain;
+    }
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            name.starts_with("orders-") && !name.contains('.')
+        })
+        .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+        .unwrap_or_else(|| {
+            panic!("build the example first: cargo build --example orders ({dir:?})")
+        })
+}
+
+/// The `orders` example, built beside this test.
 fn start_example() -> Example {
     let exe = std::env::current_exe().unwrap();
     let debug = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let binary = debug.join("examples").join("orders");
-    assert!(
-        binary.exists(),
-        "build the example first: cargo build --example orders ({binary:?})"
-    );
+    let binary = example_binary(&debug.join("examples"));
     let mut child = std::process::Command::new(binary)
         .arg("127.0.0.1:0")
         .stdout(std::process::Stdio::piped())

@@ -139,3 +139,182 @@ impl Future for ResponseFuture {
         self.inner.as_mut().poll(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The layer over a plain handler, driven with `oneshot` in the manner
+    //! of tower-http's own tests: each rule in milliseconds, no process.
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Duration;
+
+    use tower::{ServiceBuilder, ServiceExt};
+
+    use super::*;
+    use crate::config::{OnConcurrent, StoreConfig};
+    use crate::idempotency::{EngineSettings, Holders, KeyPolicy};
+    use crate::metrics::Metrics;
+
+    async fn layer(on_concurrent: OnConcurrent) -> IdempotencyLayer<KeyPolicy> {
+        let config = StoreConfig {
+            database_url: "sqlite::memory:".into(),
+            ..StoreConfig::default()
+        };
+        let metrics = Arc::new(Metrics::default());
+        let (store, _) = crate::store::open(&config, metrics.clone()).await.unwrap();
+        let engine = Engine::new(
+            store,
+            EngineSettings {
+                route: "orders".into(),
+                identity_header: http::header::AUTHORIZATION,
+                max_body_bytes: 1024,
+                body_read_timeout: Duration::from_secs(5),
+                max_stored_body_bytes: 1024,
+                on_concurrent,
+                wait_limit: Duration::from_secs(5),
+            },
+            metrics,
+            Arc::new(Holders::default()),
+        );
+        IdempotencyLayer::new(engine, KeyPolicy { require_key: true })
+    }
+
+    /// A handler that counts its calls and answers `status` after `delay`.
+    fn handler(
+        calls: Arc<AtomicU32>,
+        statuses: &'static [u16],
+        delay: Duration,
+    ) -> impl Service<
+        Request<Body>,
+        Response = Response<Body>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + Sync
+    + 'static {
+        tower::service_fn(move |_req: Request<Body>| {
+            let calls = calls.clone();
+            async move {
+                let n = calls.fetch_add(1, Ordering::SeqCst) as usize;
+                tokio::time::sleep(delay).await;
+                let mut response = Response::new(Body::from(format!("call {n}")));
+                *response.status_mut() =
+                    http::StatusCode::from_u16(statuses[n.min(statuses.len() - 1)]).unwrap();
+                Ok::<_, Infallible>(response)
+            }
+        })
+    }
+
+    fn order(key: Option<&str>, body: &'static str) -> Request<Body> {
+        let mut b = Request::post("/orders");
+        if let Some(key) = key {
+            b = b.header("idempotency-key", key);
+        }
+        b.body(Body::from(body)).unwrap()
+    }
+
+    async fn text(response: Response<Body>) -> String {
+        let bytes = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_repeat_is_replayed_without_calling_the_handler() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let service = ServiceBuilder::new()
+            .layer(layer(OnConcurrent::Reject).await)
+            .service(handler(calls.clone(), &[201], Duration::ZERO));
+        let first = service
+            .clone()
+            .oneshot(order(Some("k"), "{}"))
+            .await
+            .unwrap();
+        assert_eq!(first.status(), 201);
+        let again = service
+            .clone()
+            .oneshot(order(Some("k"), "{}"))
+            .await
+            .unwrap();
+        assert_eq!(again.status(), 201);
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(text(again).await, "call 0");
+        let other = service
+            .clone()
+            .oneshot(order(Some("k"), "{\"x\":1}"))
+            .await
+            .unwrap();
+        assert_eq!(other.status(), 422);
+        let missing = service.oneshot(order(None, "{}")).await.unwrap();
+        assert_eq!(missing.status(), 400);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_5xx_releases_the_claim_and_the_retry_runs() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let service = ServiceBuilder::new()
+            .layer(layer(OnConcurrent::Reject).await)
+            .service(handler(calls.clone(), &[503, 201], Duration::ZERO));
+        let failed = service
+            .clone()
+            .oneshot(order(Some("k"), "{}"))
+            .await
+            .unwrap();
+        assert_eq!(failed.status(), 503);
+        let retried = service
+            .clone()
+            .oneshot(order(Some("k"), "{}"))
+            .await
+            .unwrap();
+        assert_eq!(retried.status(), 201);
+        assert!(retried.headers().get("idempotent-replayed").is_none());
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_duplicate_in_flight_is_409_or_with_wait_the_first_outcome() {
+        for (mode, want) in [(OnConcurrent::Reject, 409), (OnConcurrent::Wait, 201)] {
+            let calls = Arc::new(AtomicU32::new(0));
+            let service = ServiceBuilder::new()
+                .layer(layer(mode).await)
+                .service(handler(calls.clone(), &[201], Duration::from_millis(300)));
+            let first = tokio::spawn(service.clone().oneshot(order(Some("k"), "{}")));
+            // The duplicate arrives once the first holds the claim.
+            while calls.load(Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+            let duplicate = service
+                .clone()
+                .oneshot(order(Some("k"), "{}"))
+                .await
+                .unwrap();
+            assert_eq!(duplicate.status(), want, "{mode:?}");
+            assert_eq!(first.await.unwrap().unwrap().status(), 201);
+            assert_eq!(calls.load(Ordering::SeqCst), 1, "{mode:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_dropped_caller_does_not_cancel_the_handler() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let service = ServiceBuilder::new()
+            .layer(layer(OnConcurrent::Reject).await)
+            .service(handler(calls.clone(), &[201], Duration::from_millis(200)));
+        // The caller gives up after 50 ms (as a client hanging up does).
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(50),
+            service.clone().oneshot(order(Some("k"), "{}")),
+        )
+        .await;
+        assert!(gave_up.is_err());
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let retry = service.oneshot(order(Some("k"), "{}")).await.unwrap();
+        assert_eq!(retry.headers()["idempotent-replayed"], "true");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+}
