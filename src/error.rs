@@ -97,16 +97,6 @@ impl Problem {
         self
     }
 
-    /// The status this problem answers with.
-    pub fn status(&self) -> StatusCode {
-        self.status
-    }
-
-    /// The reason slug (the end of `type`).
-    pub fn reason(&self) -> &'static str {
-        self.reason
-    }
-
     /// Renders the response.
     pub fn into_response(self) -> Response<Body> {
         let body = ProblemBody {

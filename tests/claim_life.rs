@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use support::services;
-use support::{Answer, Stack};
+use support::{Answer, Stack, executions};
 use tokio::io::AsyncWriteExt;
 
 const ACTIONS: &str = r#"
@@ -131,17 +131,6 @@ impl Lock {
             }
         }
     }
-}
-
-/// How many times `action` really executed, whatever key it carried.
-fn executions(stack: &Stack, action: &str) -> u64 {
-    stack
-        .upstream
-        .state
-        .stats()
-        .executions
-        .get(action)
-        .map_or(0, |keys| keys.values().sum())
 }
 
 /// Arms the upstream's next requests with `plan` (`POST /faults`).

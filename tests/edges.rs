@@ -10,18 +10,8 @@ mod support;
 use std::time::Duration;
 
 use support::services;
-use support::{Answer, Stack};
+use support::{Answer, Stack, executions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-fn executions(stack: &Stack, action: &str) -> u64 {
-    stack
-        .upstream
-        .state
-        .stats()
-        .executions
-        .get(action)
-        .map_or(0, |keys| keys.values().sum())
-}
 
 const HOOKS: &str = r#"
     [[routes]]

@@ -184,6 +184,18 @@ impl Stack {
     }
 }
 
+/// How many times the demo upstream's `action` really executed, whatever
+/// key it carried (`/actions/{name}` executes on every call).
+pub fn executions(stack: &Stack, action: &str) -> u64 {
+    stack
+        .upstream
+        .state
+        .stats()
+        .executions
+        .get(action)
+        .map_or(0, |keys| keys.values().sum())
+}
+
 /// A port nothing listens on.
 pub fn dead_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
