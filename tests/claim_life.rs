@@ -501,3 +501,81 @@ async fn a_client_gone_before_its_claim_is_written_is_still_seen_through() {
     }
     stack.shutdown().await;
 }
+
+// === SIGTERM to the binary with a slow request in flight, client gone ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_records_the_outcome_of_a_request_whose_client_hung_up() {
+    let upstream = idemgate::demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", support::dead_port());
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            [server]
+            listen = "{listen}"
+            admin_listen = "127.0.0.1:0"
+            shutdown_grace = "10s"
+            [store]
+            database_url = "sqlite://{}/records.db"
+            lease = "2s"
+            timeout = "500ms"
+            [[upstreams]]
+            name = "demo"
+            url = "http://{}"
+            {ACTIONS}
+            "#,
+            dir.path().display(),
+            upstream.addr
+        ),
+    )
+    .unwrap();
+    let http = support::Http::default();
+    let mut gateway = support::spawn_gateway(&config);
+    support::wait_up(&http, &format!("http://{listen}/")).await;
+    let addr: SocketAddr = listen.parse().unwrap();
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = "POST /actions/term HTTP/1.1\r\nHost: gw\r\nIdempotency-Key: t-1\r\n\
+                   X-Demo-Delay-Ms: 1500\r\nContent-Length: 2\r\n\r\n{}";
+    socket.write_all(request.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(socket);
+    std::process::Command::new("kill")
+        .args(["-TERM", &gateway.id().to_string()])
+        .status()
+        .unwrap();
+    // No connection is left, yet the process waits for the claim.
+    let status = gateway.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(
+        upstream.state.stats().executions["term"]
+            .values()
+            .sum::<u64>(),
+        1
+    );
+    // Restarted past the old lease: the outcome was recorded before exit.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let mut gateway = support::spawn_gateway(&config);
+    support::wait_up(&http, &format!("http://{listen}/")).await;
+    let retry = http
+        .send(
+            "POST",
+            &format!("http://{listen}/actions/term"),
+            &[("idempotency-key", "t-1"), ("x-demo-delay-ms", "1500")],
+            "{}",
+        )
+        .await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        upstream.state.stats().executions["term"]
+            .values()
+            .sum::<u64>(),
+        1
+    );
+    gateway.kill().unwrap();
+    let _ = gateway.wait();
+    upstream.shutdown().await;
+}
