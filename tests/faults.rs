@@ -195,14 +195,14 @@ async fn redis_killed_mid_storm_through_the_gateway_still_executes_once() {
     stack.shutdown().await;
 }
 
-/// A config file for the `idemgate` binary in `dir`: key routes to the
-/// upstream at `upstream`, a 1 s lease, and one SQLite file per directory
-/// (so every config written in one directory shares the records).
-fn binary_config(
+/// A config file for the `idemgate` binary in `dir` with `store` as its
+/// `[store]` table and key routes to the upstream at `upstream`.
+fn write_binary_config(
     dir: &std::path::Path,
     name: &str,
     listen: &str,
     admin: &str,
+    store: &str,
     upstream: &str,
 ) -> std::path::PathBuf {
     let path = dir.join(name);
@@ -214,20 +214,33 @@ fn binary_config(
             listen = "{listen}"
             admin_listen = "{admin}"
             [store]
-            database_url = "sqlite://{}/records.db"
-            lease = "1s"
-            timeout = "500ms"
+            {store}
             [[upstreams]]
             name = "demo"
             url = "http://{upstream}"
             timeout = "10s"
             {KEY_ROUTES}
-            "#,
-            dir.display()
+            "#
         ),
     )
     .unwrap();
     path
+}
+
+/// Key routes, a 1 s lease, and one SQLite file per directory (so every
+/// config written in one directory shares the records).
+fn binary_config(
+    dir: &std::path::Path,
+    name: &str,
+    listen: &str,
+    admin: &str,
+    upstream: &str,
+) -> std::path::PathBuf {
+    let store = format!(
+        "database_url = \"sqlite://{}/records.db\"\nlease = \"1s\"\ntimeout = \"500ms\"",
+        dir.display()
+    );
+    write_binary_config(dir, name, listen, admin, &store, upstream)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -481,7 +494,7 @@ async fn gateway_killed_between_claim_and_forward_then_restarted_executes_once()
     upstream.shutdown().await;
 }
 
-/// A config file for the binary on Postgres `db`: key routes, a 2 s lease.
+/// Key routes on Postgres `db`, a 2 s lease.
 fn postgres_config(
     dir: &std::path::Path,
     name: &str,
@@ -489,28 +502,8 @@ fn postgres_config(
     db: &str,
     upstream: &str,
 ) -> std::path::PathBuf {
-    let path = dir.join(name);
-    std::fs::write(
-        &path,
-        format!(
-            r#"
-            [server]
-            listen = "{listen}"
-            admin_listen = "127.0.0.1:0"
-            [store]
-            database_url = "{db}"
-            lease = "2s"
-            timeout = "500ms"
-            [[upstreams]]
-            name = "demo"
-            url = "http://{upstream}"
-            timeout = "10s"
-            {KEY_ROUTES}
-            "#
-        ),
-    )
-    .unwrap();
-    path
+    let store = format!("database_url = \"{db}\"\nlease = \"2s\"\ntimeout = \"500ms\"");
+    write_binary_config(dir, name, listen, "127.0.0.1:0", &store, upstream)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
