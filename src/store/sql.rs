@@ -71,12 +71,21 @@ pub struct SqlStore {
     hold_batch_connections: bool,
 }
 
-/// How long the database itself may work on one statement: less than
-/// `store.timeout`, so that the database gives up (and rolls back) before
-/// the gateway does. A statement the gateway stopped waiting for must not
-/// commit behind its back.
+/// How long Postgres may work on one statement. With the wait for a pooled
+/// connection ([`acquire_bound`]) it stays under `store.timeout`, so that the database gives up (and rolls back) before
+/// the gateway does: a statement the gateway stopped waiting for must not
+/// commit behind its back (a claim committed that way would be held, with
+/// nobody to forward it, for a whole lease).
 fn server_side_bound(timeout: Duration) -> Duration {
-    timeout * 4 / 5
+    timeout * 7 / 10
+}
+
+/// How long an operation may wait for a pooled Postgres connection before
+/// it is refused unsent. (SQLite's one connection is shared by every
+/// operation and waits up to `store.timeout`; its busy timeout is 4/5 of
+/// it.)
+fn acquire_bound(timeout: Duration) -> Duration {
+    timeout / 5
 }
 
 /// A pooled Postgres connection idle longer than this is pinged before use
@@ -109,7 +118,7 @@ impl SqlStore {
                 // FULL: a claim must survive power loss, or a retry after
                 // the crash could execute the request a second time.
                 .synchronous(SqliteSynchronous::Full)
-                .busy_timeout(server_side_bound(settings.timeout));
+                .busy_timeout(settings.timeout * 4 / 5);
             if let Some(dir) = options.get_filename().parent()
                 && !dir.as_os_str().is_empty()
             {
@@ -142,7 +151,7 @@ impl SqlStore {
                 .options([("plan_cache_mode", "force_custom_plan")]);
             let pool = PgPoolOptions::new()
                 .max_connections(settings.pool_size)
-                .acquire_timeout(settings.timeout)
+                .acquire_timeout(acquire_bound(settings.timeout))
                 // sqlx pings every connection it hands out by default: a
                 // second round trip (and a second Postgres wake-up) for each
                 // batch. A connection used moments ago is known to be alive;

@@ -224,7 +224,17 @@ impl Store {
                     self.fast("put", fast.put(&entry, left)).await;
                 }
                 _ if marked => {
-                    self.fast("remove", fast.remove(key)).await;
+                    // Our marker must not outlive a claim that was not won:
+                    // it would answer 409 for a whole lease. A removal
+                    // slower than the budget (Redis busy in a burst) is
+                    // finished in the background instead of given up.
+                    if self.fast("remove", fast.remove(key)).await.is_none() {
+                        let (fast, key) = (fast.clone(), key.clone());
+                        let bound = self.sql.timeout();
+                        tokio::spawn(async move {
+                            let _ = tokio::time::timeout(bound, fast.remove(&key)).await;
+                        });
+                    }
                 }
                 _ => {}
             }
