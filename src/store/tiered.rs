@@ -228,7 +228,8 @@ impl Store {
                     // it would answer 409 for a whole lease. A removal
                     // slower than the budget (Redis busy in a burst) is
                     // finished in the background instead of given up.
-                    if self.fast("remove", fast.remove(key)).await.is_none() {
+                    let removed = self.fast("remove", fast.remove(key)).await;
+                    if removed.is_none() {
                         let (fast, key) = (fast.clone(), key.clone());
                         let bound = self.sql.timeout();
                         tokio::spawn(async move {
