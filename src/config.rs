@@ -28,6 +28,7 @@ const DEFAULT_HEADER_READ_TIMEOUT: &str = "10s";
 const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 const DEFAULT_BODY_READ_TIMEOUT: &str = "30s";
 const DEFAULT_SHUTDOWN_GRACE: &str = "30s";
+const DEFAULT_HTTP2: bool = true;
 
 /// The embedded store every fresh checkout runs on.
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://data/idemgate.db";
@@ -99,6 +100,21 @@ pub struct ServerConfig {
     /// How long in-flight requests may take to finish after SIGTERM.
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace: HumanDuration,
+    /// HTTP/2 beside HTTP/1.1 on the public listener: h2c with prior
+    /// knowledge on a plain listener, ALPN `h2` with TLS.
+    #[serde(default = "default_http2")]
+    pub http2: bool,
+    /// `[server.tls]`: terminate TLS on the public listener.
+    #[serde(default)]
+    pub tls: Option<ServerTlsConfig>,
+}
+
+/// `[server.tls]`: the public listener's certificate chain and key (PEM).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTlsConfig {
+    pub cert: String,
+    pub key: String,
 }
 
 /// `[store]`: the durable record and its fast layer.
@@ -160,6 +176,19 @@ pub struct UpstreamConfig {
     pub url: String,
     #[serde(default = "default_upstream_timeout")]
     pub timeout: HumanDuration,
+    /// `https://` only: a PEM bundle trusted instead of the system roots.
+    #[serde(default)]
+    pub ca_file: Option<String>,
+    /// `https://` only: the client certificate chain for mutual TLS.
+    #[serde(default)]
+    pub client_cert: Option<String>,
+    /// `https://` only: the client certificate's private key.
+    #[serde(default)]
+    pub client_key: Option<String>,
+    /// Speak HTTP/2 to this upstream (ALPN over TLS, prior knowledge over
+    /// plain HTTP).
+    #[serde(default)]
+    pub http2: bool,
 }
 
 /// `[[routes]]`: which requests go where, under which policy.
@@ -405,6 +434,9 @@ fn default_signature_tolerance() -> HumanDuration {
 fn default_require_key() -> bool {
     true
 }
+fn default_http2() -> bool {
+    DEFAULT_HTTP2
+}
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -417,6 +449,8 @@ impl Default for ServerConfig {
             max_connections: default_max_connections(),
             worker_threads: 0,
             shutdown_grace: default_shutdown_grace(),
+            http2: DEFAULT_HTTP2,
+            tls: None,
         }
     }
 }
@@ -670,6 +704,10 @@ impl Config {
             );
         }
 
+        if let Err((key, reason)) = check_server_tls(&self.server) {
+            add(key, reason);
+        }
+
         let mut upstream_names = BTreeSet::new();
         for (i, u) in self.upstreams.iter().enumerate() {
             let key = |field: &str| format!("upstreams[{i}].{field}");
@@ -680,6 +718,8 @@ impl Config {
             }
             if let Err(reason) = check_upstream_url(&u.url) {
                 add(key("url"), reason);
+            } else if let Err((field, reason)) = check_upstream_tls(u, &key) {
+                add(field, reason);
             }
             if let Some(reason) = u.timeout.problem() {
                 add(key("timeout"), reason);
@@ -899,10 +939,8 @@ impl RouteConfig {
 
 fn check_upstream_url(raw: &str) -> Result<(), String> {
     let url = url::Url::parse(raw).map_err(|e| format!("{raw:?} is not a URL: {e}"))?;
-    if url.scheme() != "http" {
-        return Err(format!(
-            "{raw:?}: only http:// upstreams are supported (terminate TLS in front of the upstream)"
-        ));
+    if url.scheme() != "http" && url.scheme() != "https" {
+        return Err(format!("{raw:?}: an upstream is http:// or https://"));
     }
     if url.host_str().is_none() {
         return Err(format!("{raw:?} has no host"));
@@ -913,6 +951,51 @@ fn check_upstream_url(raw: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// An upstream's TLS files: only on `https://`, and each readable and
+/// usable (the certificate chain, the key matching it).
+fn check_upstream_tls(
+    u: &UpstreamConfig,
+    key: &dyn Fn(&str) -> String,
+) -> Result<(), (String, String)> {
+    let fields = [
+        ("ca_file", &u.ca_file),
+        ("client_cert", &u.client_cert),
+        ("client_key", &u.client_key),
+    ];
+    if !u.url.starts_with("https://") {
+        return match fields.iter().find(|(_, v)| v.is_some()) {
+            Some((field, _)) => Err((
+                key(field),
+                "only an https:// upstream uses TLS files".into(),
+            )),
+            None => Ok(()),
+        };
+    }
+    let keys = fields.map(|(field, _)| key(field));
+    let files = crate::tls::ClientFiles {
+        ca_file: u.ca_file.as_deref().map(|p| (keys[0].as_str(), p)),
+        client_cert: u.client_cert.as_deref().map(|p| (keys[1].as_str(), p)),
+        client_key: u.client_key.as_deref().map(|p| (keys[2].as_str(), p)),
+    };
+    crate::tls::client_config(&files, u.http2)
+        .map(|_| ())
+        .map_err(|e| (e.key.clone(), e.to_string()))
+}
+
+/// The public listener's certificate and key, loaded as at start-up.
+fn check_server_tls(server: &ServerConfig) -> Result<(), (String, String)> {
+    let Some(tls) = &server.tls else {
+        return Ok(());
+    };
+    crate::tls::server_config(
+        ("server.tls.cert", &tls.cert),
+        ("server.tls.key", &tls.key),
+        server.http2,
+    )
+    .map(|_| ())
+    .map_err(|e| (e.key.clone(), e.to_string()))
 }
 
 // === impl RouteMatcher ===
@@ -1072,7 +1155,7 @@ mod tests {
 
             [[upstreams]]
             name = "orders"
-            url = "https://orders.internal"
+            url = "ftp://orders.internal"
 
             [[upstreams]]
             name = "orders"

@@ -147,6 +147,12 @@ impl From<&crate::proxy::ProxyError> for Problem {
                 "upstream-unavailable",
                 "The upstream service could not be reached",
             ),
+            E::Tls { .. } => Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream-tls",
+                "The upstream's TLS certificate was not trusted, or the TLS handshake failed",
+            )
+            .detail("nothing was sent upstream; the request can be retried"),
             E::Timeout(_) => Problem::new(
                 StatusCode::GATEWAY_TIMEOUT,
                 "upstream-timeout",

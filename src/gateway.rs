@@ -18,7 +18,7 @@ use crate::callback::{CallbackPolicy, KeySource, Verifier};
 use crate::config::{Config, Idempotency, PathMatch, RouteKind, RouteMatcher};
 use crate::idempotency::{Engine, EngineSettings, Holders, IdempotencyLayer, KeyPolicy};
 use crate::metrics::Metrics;
-use crate::proxy::{Pool, Proxy, Upstream};
+use crate::proxy::{Proxy, Upstream};
 use crate::router::{Route, RouteService, Router, TowerHandler};
 use crate::server::{self, ConnLimits, PeerService, ShutdownTrigger};
 use crate::store::Store;
@@ -142,10 +142,26 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         );
     }
 
+    let tls = match &config.server.tls {
+        None => None,
+        Some(tls) => Some(
+            crate::tls::server_config(
+                ("server.tls.cert", &tls.cert),
+                ("server.tls.key", &tls.key),
+                config.server.http2,
+            )
+            .map_err(|e| StartError::Route {
+                route: e.key.clone(),
+                reason: e.to_string(),
+            })?,
+        ),
+    };
     let limits = ConnLimits {
         header_read_timeout: config.server.header_read_timeout.get(),
         max_connections: config.server.max_connections.div_ceil(threads),
         shutdown_grace: config.server.shutdown_grace.get(),
+        http2: config.server.http2,
+        tls,
     };
     let (trigger, signal) = server::shutdown_pair();
     let requested: SocketAddr =
@@ -185,7 +201,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
             handle,
             seat,
             shared.clone(),
-            limits,
+            limits.clone(),
             signal.clone(),
             ready,
         ));
@@ -330,6 +346,7 @@ fn spawn_worker(
                 // recorded, within the same grace.
                 let mut stopping = signal.clone();
                 let holders = shared.holders.clone();
+                let grace = limits.shutdown_grace;
                 let serving = server::serve(
                     listener,
                     PeerService::factory(router),
@@ -339,7 +356,7 @@ fn spawn_worker(
                 );
                 let held = async move {
                     stopping.wait().await;
-                    holders.drain(limits.shutdown_grace).await;
+                    holders.drain(grace).await;
                 };
                 tokio::join!(serving, held);
             });
@@ -387,9 +404,7 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
         })?;
         // One pool per upstream per call: each worker builds its own router,
         // so connections never leave the thread that drives them.
-        // Half the upstream's timeout at most: a connect that hangs is
-        // "never sent" and must be told before the exchange times out.
-        let pool = Pool::with_connect_timeout(upstream.authority.to_string(), upstream.timeout / 2);
+        let pool = upstream.pool();
         upstreams.insert(u.name.clone(), (Arc::new(upstream), pool));
     }
     let mut routes = Vec::with_capacity(config.routes.len());

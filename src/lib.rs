@@ -43,4 +43,5 @@ pub mod request_id;
 pub mod router;
 pub mod server;
 pub mod store;
+pub mod tls;
 pub mod token;

@@ -75,6 +75,7 @@ fn main() -> ExitCode {
     };
     match command {
         Command::CheckConfig => {
+            print_endpoints(&config);
             print_route_table(&config);
             print_warnings(&config);
             ExitCode::SUCCESS
@@ -214,6 +215,62 @@ fn print_warnings(config: &Config) {
     for w in config.warnings() {
         eprintln!("warning: {}: {}", w.key, w.reason);
     }
+}
+
+/// Each listener's and each upstream's scheme and protocols.
+fn print_endpoints(config: &Config) {
+    let server = &config.server;
+    let (scheme, protocols) = match (&server.tls, server.http2) {
+        (Some(_), true) => ("https", "HTTP/1.1, h2 (ALPN)"),
+        (Some(_), false) => ("https", "HTTP/1.1"),
+        (None, true) => ("http", "HTTP/1.1, h2c (prior knowledge)"),
+        (None, false) => ("http", "HTTP/1.1"),
+    };
+    println!(
+        "{:<20} {:<22} {:<7} PROTOCOLS",
+        "LISTENER", "ADDRESS", "SCHEME"
+    );
+    println!(
+        "{:<20} {:<22} {:<7} {protocols}",
+        "public", server.listen, scheme
+    );
+    println!(
+        "{:<20} {:<22} {:<7} HTTP/1.1",
+        "admin", server.admin_listen, "http"
+    );
+    println!();
+    println!(
+        "{:<20} {:<34} {:<7} {:<9} TLS",
+        "UPSTREAM", "URL", "SCHEME", "PROTOCOL"
+    );
+    for u in &config.upstreams {
+        let https = u.url.starts_with("https://");
+        let protocol = match (u.http2, https) {
+            (false, _) => "HTTP/1.1",
+            (true, true) => "h2",
+            (true, false) => "h2c",
+        };
+        let tls = if !https {
+            "-".to_owned()
+        } else {
+            let trust = match &u.ca_file {
+                Some(ca) => format!("ca_file {ca}"),
+                None => "system roots".to_owned(),
+            };
+            match &u.client_cert {
+                Some(cert) => format!("{trust}; client_cert {cert} (mutual TLS)"),
+                None => trust,
+            }
+        };
+        println!(
+            "{:<20} {:<34} {:<7} {:<9} {tls}",
+            u.name,
+            u.url,
+            if https { "https" } else { "http" },
+            protocol
+        );
+    }
+    println!();
 }
 
 fn print_route_table(config: &Config) {

@@ -300,3 +300,46 @@ fn check_config_prints_no_warning_for_the_shipped_configs() {
         assert!(!stderr.contains("warning:"), "{path}: {stderr}");
     }
 }
+
+#[test]
+fn check_config_shows_each_listener_and_upstream_scheme_and_protocol() {
+    let (code, stdout, stderr) = check_config(
+        r#"
+        [server]
+        listen = "127.0.0.1:8443"
+        http2 = false
+        [[upstreams]]
+        name = "orders"
+        url = "http://127.0.0.1:9001"
+        http2 = true
+        [[upstreams]]
+        name = "payments"
+        url = "https://localhost:9443"
+        [[routes]]
+        name = "all"
+        path_prefix = "/orders/"
+        upstream = "orders"
+        [[routes]]
+        name = "pay"
+        path = "/pay"
+        methods = ["POST"]
+        upstream = "payments"
+        "#,
+    );
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    let line = |name: &str| {
+        stdout
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} line in {stdout}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(line("public"), "public 127.0.0.1:8443 http HTTP/1.1");
+    assert_eq!(line("orders"), "orders http://127.0.0.1:9001 http h2c -");
+    assert_eq!(
+        line("payments"),
+        "payments https://localhost:9443 https HTTP/1.1 system roots"
+    );
+}

@@ -22,10 +22,60 @@ struct RawUpstream {
     requests: Arc<AtomicUsize>,
 }
 
+/// What the raw upstream does with a connection after its answer.
+#[derive(Clone, Copy)]
+enum After {
+    /// Reads the next request.
+    Keep,
+    /// Closes it at once.
+    Close,
+    /// Closes it this long after answering, without saying so.
+    CloseLater(u64),
+    /// Never reads from it again, and never closes it.
+    Hold,
+}
+
 /// What the raw upstream writes for a path: the pieces (written with a
-/// pause between them) and whether it closes the connection afterwards.
-fn answer_for(path: &str) -> (Vec<&'static [u8]>, bool) {
-    match path {
+/// pause between them) and what happens to the connection afterwards.
+fn answer_for(path: &str) -> (Vec<&'static [u8]>, After) {
+    let (pieces, close): (Vec<&'static [u8]>, bool) = match path {
+        // A request body it will not read: it answers at once, and the
+        // upload stalls against a full socket buffer.
+        "/upload" => {
+            return (
+                vec![b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!"],
+                After::Hold,
+            );
+        }
+        "/close-later" => {
+            return (
+                vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"],
+                After::CloseLater(30),
+            );
+        }
+        // Bytes no request asked for, after a bodiless answer: in the same
+        // write, or a moment later while the connection sits idle.
+        "/stray-now" => (
+            vec![b"HTTP/1.1 204 No Content\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nEVIL"],
+            false,
+        ),
+        "/stray-later" => (
+            vec![
+                b"HTTP/1.1 204 No Content\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nEVIL",
+            ],
+            false,
+        ),
+        // A HEAD answer followed by the body it must not have.
+        "/stray-head" => (
+            vec![b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nEVIL"],
+            false,
+        ),
+        "/good" => (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ngood"], false),
+        "/gzip-chunked" => (
+            vec![b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n2\r\nzz\r\n0\r\n\r\n"],
+            false,
+        ),
         // Answers, then closes without saying so: every pooled connection
         // is stale by the next request.
         "/close-after" => (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"], true),
@@ -66,7 +116,8 @@ fn answer_for(path: &str) -> (Vec<&'static [u8]>, bool) {
         ),
         "/head" => (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n"], false),
         _ => (vec![b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"], false),
-    }
+    };
+    (pieces, if close { After::Close } else { After::Keep })
 }
 
 impl RawUpstream {
@@ -111,7 +162,7 @@ async fn serve(mut stream: TcpStream, requests: Arc<AtomicUsize>) {
         buf.drain(..end);
         requests.fetch_add(1, Ordering::SeqCst);
         let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
-        let (pieces, close) = answer_for(&path);
+        let (pieces, after) = answer_for(&path);
         for (i, piece) in pieces.iter().enumerate() {
             if i > 0 {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -120,16 +171,153 @@ async fn serve(mut stream: TcpStream, requests: Arc<AtomicUsize>) {
                 return;
             }
         }
-        if close {
-            return;
+        match after {
+            After::Keep => {}
+            After::Close => return,
+            After::CloseLater(ms) => {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                return;
+            }
+            After::Hold => {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                return;
+            }
         }
     }
 }
 
 async fn gateway_for(upstream: &RawUpstream) -> gateway::RunningGateway {
-    let mut config = config(upstream.addr, PASS_THROUGH);
+    gateway_with(upstream, PASS_THROUGH, |_| {}).await
+}
+
+async fn gateway_with(
+    upstream: &RawUpstream,
+    routes: &str,
+    tweak: impl FnOnce(&mut idemgate::config::Config),
+) -> gateway::RunningGateway {
+    let mut config = config(upstream.addr, routes);
     config.server.worker_threads = 1; // one pool, so reuse is countable
+    tweak(&mut config);
     gateway::start(config).await.unwrap()
+}
+
+/// Key routes for uploads and pass-through for everything else.
+const KEYED_UPLOADS: &str = r#"
+    [[routes]]
+    name = "upload"
+    methods = ["POST"]
+    path = "/upload"
+    upstream = "demo"
+    idempotency = "key"
+
+    [[routes]]
+    name = "keyed"
+    methods = ["POST"]
+    path = "/close-later"
+    upstream = "demo"
+    idempotency = "key"
+
+    [[routes]]
+    name = "pass"
+    methods = ["GET", "HEAD"]
+    path_prefix = "/"
+    upstream = "demo"
+"#;
+
+#[tokio::test]
+async fn an_early_413_to_an_unread_upload_is_answered_at_once_and_stored() {
+    let upstream = RawUpstream::start().await;
+    let gw = gateway_with(&upstream, KEYED_UPLOADS, |c| {
+        c.server.max_body_bytes = 8 * 1024 * 1024;
+        c.upstreams[0].timeout = "8s".into();
+    })
+    .await;
+    let http = Http::default();
+    let upload = vec![b'x'; 6 * 1024 * 1024];
+    for attempt in 0..2 {
+        // Well inside the upstream's 8 s: the answer is not a timeout.
+        let answer = tokio::time::timeout(
+            Duration::from_secs(4),
+            http.send(
+                "POST",
+                &url(&gw, "/upload"),
+                &[("idempotency-key", "upload-1")],
+                upload.clone(),
+            ),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("attempt {attempt}: the 413 waited for the upload"));
+        assert_eq!(answer.status, 413, "attempt {attempt}: {answer:?}");
+        assert_eq!(&answer.body[..], b"too big!");
+        if attempt == 1 {
+            assert_eq!(answer.header("idempotent-replayed"), Some("true"));
+        }
+    }
+    // The refusal was recorded, not "uncertain": the retry was a replay.
+    assert_eq!(upstream.requests.load(Ordering::SeqCst), 1);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn stray_bytes_after_an_answer_never_become_the_next_answer() {
+    let upstream = RawUpstream::start().await;
+    let gw = gateway_for(&upstream).await;
+    let http = Http::default();
+    for (path, method) in [
+        ("/stray-now", "GET"),
+        ("/stray-later", "GET"),
+        ("/stray-head", "HEAD"),
+    ] {
+        for round in 0..3 {
+            let first = http.send(method, &url(&gw, path), &[], "").await;
+            assert!(first.status.is_success(), "{path}: {first:?}");
+            assert!(first.body.is_empty(), "{path}: a bodiless answer");
+            // The stray bytes arrive while the connection sits idle.
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            let next = http.get(&url(&gw, "/good")).await;
+            assert_eq!(next.status, 200, "{path} round {round}");
+            assert_eq!(&next.body[..], b"good", "{path} round {round}: {next:?}");
+        }
+    }
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn connections_the_upstream_closes_while_idle_cost_no_key_request() {
+    let upstream = RawUpstream::start().await;
+    let gw = gateway_with(&upstream, KEYED_UPLOADS, |_| {}).await;
+    let http = Http::default();
+    for i in 0..20 {
+        let key = format!("later-{i}");
+        let answer = http
+            .send(
+                "POST",
+                &url(&gw, "/close-later"),
+                &[("idempotency-key", &key)],
+                "{}",
+            )
+            .await;
+        assert_eq!(answer.status, 200, "request {i}: {answer:?}");
+        // Past the upstream's close: the pooled connection is closed by
+        // now, and must not be the one the next key goes out on.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(upstream.requests.load(Ordering::SeqCst), 20);
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 20);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_transfer_coding_other_than_chunked_is_refused_not_relayed_undecoded() {
+    let upstream = RawUpstream::start().await;
+    let gw = gateway_for(&upstream).await;
+    let answer = Http::default().get(&url(&gw, "/gzip-chunked")).await;
+    assert_eq!(answer.status, 502, "{answer:?}");
+    assert_eq!(
+        answer.problem_type(),
+        "urn:idemgate:problem:upstream-broken"
+    );
+    gw.shutdown().await;
 }
 
 fn url(gw: &gateway::RunningGateway, path: &str) -> String {

@@ -54,21 +54,34 @@ impl DemoUpstream {
     }
 }
 
-/// Starts the demo upstream on `addr` (`127.0.0.1:0` for a free port).
+/// Starts the demo upstream on `addr` (`127.0.0.1:0` for a free port),
+/// speaking HTTP/1.1 and h2c.
 pub async fn start(addr: &str) -> std::io::Result<DemoUpstream> {
+    start_with_tls(addr, None).await
+}
+
+/// Starts the demo upstream, terminating TLS with `tls` when given (ALPN
+/// as that configuration offers it).
+pub async fn start_with_tls(
+    addr: &str,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> std::io::Result<DemoUpstream> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let state = Arc::new(DemoState::default());
     let app = handlers::router(state.clone());
     let (trigger, signal) = server::shutdown_pair();
     let limits = ConnLimits {
-        header_read_timeout: Duration::from_secs(30),
-        max_connections: 10_000,
-        shutdown_grace: Duration::from_secs(30),
+        tls,
+        ..ConnLimits::plain(Duration::from_secs(30), 10_000, Duration::from_secs(30))
     };
+    let service_state = state.clone();
     let task = tokio::spawn(server::serve(
         listener,
-        move |_peer| DemoService { app: app.clone() },
+        move |_peer, _tls| DemoService {
+            app: app.clone(),
+            state: service_state.clone(),
+        },
         limits,
         None,
         signal,
@@ -87,6 +100,7 @@ pub async fn start(addr: &str) -> std::io::Result<DemoUpstream> {
 #[derive(Clone)]
 struct DemoService {
     app: axum::Router,
+    state: Arc<DemoState>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for DemoService {
@@ -97,6 +111,9 @@ impl hyper::service::Service<Request<Incoming>> for DemoService {
     >;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
+        if req.version() == http::Version::HTTP_2 {
+            self.state.saw_http2();
+        }
         let app = self.app.clone();
         // Like most real services, finish the business action even if the
         // caller goes away mid-request: the handler runs as its own task, so

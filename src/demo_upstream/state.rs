@@ -22,6 +22,7 @@ pub struct DemoState {
     requests: AtomicU64,
     running: AtomicU64,
     peak_running: AtomicU64,
+    http2_requests: AtomicU64,
 }
 
 /// A business request being served; dropped when its body has gone out.
@@ -63,6 +64,9 @@ pub struct Stats {
     /// Most business requests ever served at once (head to end of body).
     #[serde(default)]
     pub peak_running: u64,
+    /// Requests that arrived over HTTP/2.
+    #[serde(default)]
+    pub http2_requests: u64,
 }
 
 /// The answer of a state transition.
@@ -109,7 +113,13 @@ impl DemoState {
             executions: business.executions.clone(),
             requests: self.requests.load(Ordering::Relaxed),
             peak_running: self.peak_running.load(Ordering::SeqCst),
+            http2_requests: self.http2_requests.load(Ordering::Relaxed),
         }
+    }
+
+    /// Counts a request that arrived over HTTP/2.
+    pub(super) fn saw_http2(&self) {
+        self.http2_requests.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Forgets everything (tests, demos).
@@ -117,6 +127,7 @@ impl DemoState {
         *self.lock() = Business::default();
         self.requests.store(0, Ordering::Relaxed);
         self.peak_running.store(0, Ordering::SeqCst);
+        self.http2_requests.store(0, Ordering::Relaxed);
     }
 
     /// A non-idempotent action: executes every time; returns the count.

@@ -1,49 +1,44 @@
-//! Sending one request over a pooled upstream connection.
+//! Sending one request over a pooled upstream connection with hyper's
+//! client (HTTP/1.1 or HTTP/2), and classifying how it failed.
 //!
-//! The exchange runs inside the task of the client's own connection: the
-//! head (and a small body) leave in one write, the answer is read into the
-//! connection's buffer, and when the whole answer arrived with its head it
-//! is handed on as one buffer and the connection goes straight back to the
-//! pool. There is no connection task and no channel in between; that is
-//! what makes pass-through cost about what nginx's costs.
+//! hyper reads the answer while the request body is still being written,
+//! so an upstream that answers early (a `413` to an upload it will not
+//! read) is heard at once instead of after the upstream timeout.
 //!
-//! A request is re-sent on a fresh connection only when it could not have
-//! reached the upstream: its write to a pooled connection failed and the
-//! whole request, body included, is still in hand. Anything else that
-//! fails once bytes may have left is reported as such, never retried.
+//! A request is re-sent on a fresh connection only when hyper hands it back
+//! untouched: the pooled connection turned out closed before a byte of the
+//! request was written (`try_send_request`). Anything that fails once bytes
+//! may have left is reported as such, never retried.
 
-use std::collections::VecDeque;
-use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use axum::body::Body;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::request::Parts;
-use http::{Method, Response};
+use http::{HeaderValue, Method, Request, Response, Uri, header};
 use http_body::Body as _;
 use http_body_util::BodyExt;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::body::{Remaining, UpstreamBody};
+use super::connect::{ConnectError, Sender};
 use super::headers::{self, ClientAddr};
-use super::pool::{Conn, Pool};
-use super::wire::{
-    self, BodyFraming, ChunkedDecoder, Decoded, LAST_CHUNK, RequestFraming, ResponseHead, WireError,
-};
+use super::pool::{Pool, PooledBody};
 
 /// Request bodies up to this size with a known length are read whole
-/// before the upstream is contacted and written with the head in one go
-/// (as nginx buffers bodies); larger or chunked bodies stream.
+/// before the upstream is contacted (as nginx buffers bodies), so the
+/// upstream never waits on a slow client mid-request.
 pub(super) const BUFFERED_BODY_BYTES: u64 = 64 * 1024;
-/// Read buffer headroom kept before each read of a response head.
-const HEAD_READ_BYTES: usize = 8 * 1024;
 
 /// Why an exchange failed, by how far it got.
 #[derive(Debug, thiserror::Error)]
 pub(super) enum SendError {
     /// No connection could be opened: nothing was sent.
     #[error("connecting failed: {0}")]
-    Connect(io::Error),
+    Connect(String),
+    /// The upstream's certificate was refused (or it refused ours):
+    /// nothing was sent.
+    #[error("{0}")]
+    Tls(String),
     /// The client's body is over the limit: the upstream never got a
     /// complete request.
     #[error("request body over the limit")]
@@ -58,124 +53,150 @@ pub(super) enum SendError {
     Broken(String),
 }
 
+impl From<ConnectError> for SendError {
+    fn from(e: ConnectError) -> Self {
+        match e {
+            ConnectError::Tls(e) => SendError::Tls(e.to_string()),
+            e => SendError::Connect(e.to_string()),
+        }
+    }
+}
+
 /// Sends a request (the client's head, with `body` in place of its own)
-/// and reads the answer's head.
+/// and returns the answer with its body streaming.
 pub(super) async fn send(
     pool: &Arc<Pool>,
-    request: &Parts,
+    request: Parts,
     body: Body,
     limit: u64,
 ) -> Result<Response<Body>, SendError> {
-    let method = &request.method;
     let exact = body.size_hint().exact();
     if exact.is_some_and(|len| len > limit) {
         return Err(SendError::BodyTooLarge);
     }
-    let framing = match exact {
-        Some(0) if !expects_body(method) => RequestFraming::None,
-        Some(len) => RequestFraming::Length(len),
-        None => RequestFraming::Chunked,
+    let fault = Arc::new(AtomicU8::new(FAULT_NONE));
+    let body = match exact {
+        Some(len) if len <= BUFFERED_BODY_BYTES => Body::from(collect_exact(body, len).await?),
+        _ => Body::new(Counted {
+            inner: body,
+            sent: 0,
+            declared: exact,
+            limit,
+            fault: fault.clone(),
+        }),
     };
-    let mut head = Vec::with_capacity(512);
-    wire::encode_request_head(
-        &mut head,
-        method,
-        request.uri.path_and_query().map_or("/", |p| p.as_str()),
-        pool.authority(),
-        |out| {
-            headers::write_request_headers(
-                out,
-                &request.headers,
-                request.extensions.get::<ClientAddr>(),
-            )
-        },
-        framing,
-    );
-    let (mut conn, streaming) = match framing {
-        RequestFraming::Length(len) if len <= BUFFERED_BODY_BYTES => {
-            // Read the small body first, then the whole request is one
-            // buffer: one write, and safe to re-send if that write fails.
-            let data = collect_exact(body, len).await?;
-            head.extend_from_slice(&data);
-            (write_whole(pool, &head).await?, None)
+    let mut checked = pool.checkout().await?;
+    let outgoing = upstream_request(pool, &request, body, exact, &checked.sender);
+    let answer = match try_send(&mut checked.sender, outgoing).await {
+        Err(Failed::Unsent(outgoing)) if checked.reused => {
+            // The pooled connection closed before the request was written:
+            // it never left, so it goes out once more on a new connection.
+            tracing::debug!(
+                upstream = pool.authority(),
+                layer = "proxy",
+                "pooled connection was closed; sending on a new one"
+            );
+            checked.sender = pool.connect().await?;
+            checked.reused = false;
+            try_send(&mut checked.sender, *outgoing).await
         }
-        RequestFraming::None => (write_whole(pool, &head).await?, None),
-        _ => {
-            let mut conn = open(pool).await?;
-            if let Err(e) = conn.stream.write_all(&head).await {
-                return Err(SendError::Broken(format!(
-                    "writing the request failed: {e}"
-                )));
-            }
-            (conn, Some(body))
+        other => other,
+    };
+    let response = match answer {
+        Ok(response) => response,
+        Err(Failed::Unsent(_)) => {
+            return Err(SendError::Connect(
+                "the new connection closed before the request was written".into(),
+            ));
+        }
+        Err(Failed::Error(e)) => {
+            return Err(match fault.load(Ordering::Acquire) {
+                FAULT_TOO_LARGE => SendError::BodyTooLarge,
+                FAULT_CLIENT => SendError::RequestBody(e.to_string()),
+                _ => SendError::Broken(e.to_string()),
+            });
         }
     };
-    if let Some(body) = streaming {
-        match Box::pin(stream_body(&mut conn, body, framing, limit)).await {
-            Ok(()) => {}
-            Err(StreamError::Client(e)) => return Err(e),
-            // The upstream stopped reading: it may have answered early
-            // (a 413, say); take that answer if there is one.
-            Err(StreamError::Write(e)) => {
-                return match Box::pin(read_head(&mut conn, method)).await {
-                    Ok(mut head) => {
-                        head.reusable = false;
-                        Ok(into_response(head, conn, pool))
-                    }
-                    Err(_) => Err(SendError::Broken(format!(
-                        "writing the request body failed: {e}"
-                    ))),
-                };
+    let (mut parts, incoming) = response.into_parts();
+    // Both framings at once: the answer was read as chunked, but a
+    // connection whose peer frames ambiguously is not trusted again.
+    let ambiguous = parts.headers.contains_key(header::TRANSFER_ENCODING)
+        && parts.headers.contains_key(header::CONTENT_LENGTH);
+    headers::strip_response_headers(&mut parts.headers).map_err(SendError::Broken)?;
+    let home = match checked.sender {
+        Sender::Http1(sender) if !ambiguous => Some((sender, pool.clone())),
+        _ => None,
+    };
+    Ok(Response::from_parts(
+        parts,
+        Body::new(PooledBody::new(incoming, home)),
+    ))
+}
+
+enum Failed {
+    /// hyper gave the request back: no byte of it was written.
+    Unsent(Box<Request<Body>>),
+    Error(hyper::Error),
+}
+
+async fn try_send(
+    sender: &mut Sender,
+    request: Request<Body>,
+) -> Result<Response<hyper::body::Incoming>, Failed> {
+    let answer = match sender {
+        Sender::Http1(s) => s.try_send_request(request).await,
+        Sender::Http2(s) => s.try_send_request(request).await,
+    };
+    answer.map_err(|mut e| match e.take_message() {
+        Some(request) => Failed::Unsent(Box::new(request)),
+        None => Failed::Error(e.into_error()),
+    })
+}
+
+/// The request as the upstream gets it: origin-form with `Host` set to the
+/// upstream over HTTP/1.1, absolute-form (`:scheme`, `:authority`) over
+/// HTTP/2; the client's headers filtered; the body framed by its length.
+fn upstream_request(
+    pool: &Pool,
+    request: &Parts,
+    body: Body,
+    exact: Option<u64>,
+    sender: &Sender,
+) -> Request<Body> {
+    let path = request.uri.path_and_query().map_or("/", |p| p.as_str());
+    let client = request.extensions.get::<ClientAddr>();
+    let mut headers = headers::request_headers(&request.headers, client);
+    let uri = match sender {
+        Sender::Http1(_) => {
+            if let Ok(host) = HeaderValue::from_str(pool.authority()) {
+                headers.insert(header::HOST, host);
             }
+            Uri::try_from(path)
+        }
+        Sender::Http2(_) => {
+            let scheme = if pool.is_tls() { "https" } else { "http" };
+            Uri::try_from(format!("{scheme}://{}{path}", pool.authority()))
         }
     }
-    let head = read_head(&mut conn, method).await?;
-    Ok(into_response(head, conn, pool))
+    .unwrap_or_else(|_| Uri::from_static("/"));
+    match exact {
+        Some(0) if !expects_body(&request.method) => {}
+        Some(len) => {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        }
+        None => {} // hyper frames it chunked (HTTP/1.1) or by DATA frames
+    }
+    let mut outgoing = Request::new(body);
+    *outgoing.method_mut() = request.method.clone();
+    *outgoing.uri_mut() = uri;
+    *outgoing.headers_mut() = headers;
+    outgoing
 }
 
 /// Methods whose requests carry a body by convention: an empty one is sent
 /// as `Content-Length: 0` so that servers requiring a length accept it.
 fn expects_body(method: &Method) -> bool {
     *method == Method::POST || *method == Method::PUT || *method == Method::PATCH
-}
-
-async fn open(pool: &Pool) -> Result<Conn, SendError> {
-    match pool.checkout() {
-        Some(conn) => Ok(conn),
-        None => connect(pool).await,
-    }
-}
-
-/// Opens a new connection. The connect future (name resolution, connect,
-/// timeout) is large and rarely needed, so it lives in its own allocation
-/// instead of inflating every request's future, which is moved several
-/// times per request. Large and chunked bodies are boxed for the same
-/// reason.
-async fn connect(pool: &Pool) -> Result<Conn, SendError> {
-    Box::pin(pool.connect()).await.map_err(SendError::Connect)
-}
-
-/// Writes a whole request, re-sending it once on a fresh connection when
-/// the write to a pooled one fails (the upstream closed it; the request
-/// never arrived whole, so it cannot have executed).
-async fn write_whole(pool: &Pool, request: &[u8]) -> Result<Conn, SendError> {
-    let mut conn = open(pool).await?;
-    match conn.stream.write_all(request).await {
-        Ok(()) => Ok(conn),
-        Err(e) if conn.reused => {
-            tracing::debug!(upstream = pool.authority(), error = %e, "pooled connection was closed; re-sending on a new one");
-            let mut fresh = connect(pool).await?;
-            fresh
-                .stream
-                .write_all(request)
-                .await
-                .map_err(|e| SendError::Broken(format!("writing the request failed: {e}")))?;
-            Ok(fresh)
-        }
-        Err(e) => Err(SendError::Broken(format!(
-            "writing the request failed: {e}"
-        ))),
-    }
 }
 
 /// Reads a body of exactly `len` bytes (its declared length).
@@ -194,170 +215,74 @@ async fn collect_exact(body: Body, len: u64) -> Result<Bytes, SendError> {
     Ok(data)
 }
 
-enum StreamError {
-    /// The client's side failed: the upstream got an incomplete request.
-    Client(SendError),
-    /// Writing to the upstream failed.
-    Write(io::Error),
-}
+const FAULT_NONE: u8 = 0;
+const FAULT_TOO_LARGE: u8 = 1;
+const FAULT_CLIENT: u8 = 2;
 
-/// Streams a large or chunked body to the upstream, counting it against
-/// `limit`. On a client-side failure the request is left incomplete on the
-/// wire (no last chunk, or fewer bytes than declared) so that the upstream
-/// can never execute it.
-async fn stream_body(
-    conn: &mut Conn,
-    mut body: Body,
-    framing: RequestFraming,
+/// A streamed request body counted against the limit and its declared
+/// length. A fault on the client's side ends it with an error, which makes
+/// hyper abandon the request mid-body (no last chunk, fewer bytes than
+/// declared, or a reset stream), so the upstream can never execute it;
+/// `fault` tells the caller that the failure was the client's.
+struct Counted {
+    inner: Body,
+    sent: u64,
+    declared: Option<u64>,
     limit: u64,
-) -> Result<(), StreamError> {
-    let mut sent: u64 = 0;
-    let mut out = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let frame =
-            frame.map_err(|e| StreamError::Client(SendError::RequestBody(e.to_string())))?;
-        let Ok(data) = frame.into_data() else {
-            continue; // request trailers are not forwarded
+    fault: Arc<AtomicU8>,
+}
+
+impl Counted {
+    fn fail(&self, fault: u8, why: String) -> Option<Result<http_body::Frame<Bytes>, axum::Error>> {
+        self.fault.store(fault, Ordering::Release);
+        Some(Err(axum::Error::new(why)))
+    }
+}
+
+impl http_body::Body for Counted {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        let frame = match std::pin::Pin::new(&mut this.inner).poll_frame(cx) {
+            std::task::Poll::Pending => return std::task::Poll::Pending,
+            std::task::Poll::Ready(frame) => frame,
         };
-        sent += data.len() as u64;
-        if sent > limit {
-            return Err(StreamError::Client(SendError::BodyTooLarge));
-        }
-        match framing {
-            RequestFraming::Length(len) if sent > len => {
-                return Err(StreamError::Client(SendError::RequestBody(
-                    "body longer than declared".into(),
-                )));
-            }
-            RequestFraming::Chunked => {
-                out.clear();
-                wire::encode_chunk(&mut out, &data);
-                conn.stream.write_all(&out).await
-            }
-            _ => conn.stream.write_all(&data).await,
-        }
-        .map_err(StreamError::Write)?;
-    }
-    match framing {
-        RequestFraming::Length(len) if sent != len => Err(StreamError::Client(
-            SendError::RequestBody(format!("body of {sent} bytes, {len} declared")),
-        )),
-        RequestFraming::Chunked => conn
-            .stream
-            .write_all(LAST_CHUNK)
-            .await
-            .map_err(StreamError::Write),
-        _ => Ok(()),
-    }
-}
-
-async fn read_head(conn: &mut Conn, method: &Method) -> Result<ResponseHead, SendError> {
-    loop {
-        // A pooled connection's buffer is empty until the answer arrives.
-        if !conn.read_buf.is_empty() {
-            match wire::parse_response_head(&mut conn.read_buf, method) {
-                Ok(Some(head)) => return Ok(head),
-                Ok(None) => {}
-                Err(e) => return Err(SendError::Broken(e.to_string())),
-            }
-        }
-        if conn.read_buf.capacity() - conn.read_buf.len() < HEAD_READ_BYTES / 2 {
-            conn.read_buf.reserve(HEAD_READ_BYTES);
-        }
-        match conn.stream.read_buf(&mut conn.read_buf).await {
-            Ok(0) => {
-                return Err(SendError::Broken(
-                    "connection closed before message completed".into(),
-                ));
-            }
-            Ok(_) => {}
-            Err(e) => return Err(SendError::Broken(format!("reading the answer failed: {e}"))),
-        }
-    }
-}
-
-/// The answer as a response: whole when its body is already buffered (the
-/// connection then goes back to the pool at once), streamed otherwise.
-fn into_response(head: ResponseHead, mut conn: Conn, pool: &Arc<Pool>) -> Response<Body> {
-    let ResponseHead {
-        status,
-        headers,
-        framing,
-        reusable,
-    } = head;
-    let body = match framing {
-        BodyFraming::Empty => {
-            if reusable {
-                pool.checkin(conn);
-            }
-            Body::empty()
-        }
-        BodyFraming::Length(len) if (conn.read_buf.len() as u64) >= len => {
-            let data = conn.read_buf.split_to(len as usize).freeze();
-            if reusable {
-                pool.checkin(conn);
-            }
-            Body::from(data)
-        }
-        BodyFraming::Length(len) => Body::new(UpstreamBody::new(
-            conn,
-            pool.clone(),
-            Remaining::Length(len),
-            VecDeque::new(),
-            reusable,
-        )),
-        BodyFraming::Chunked => chunked_body(conn, pool, reusable),
-        BodyFraming::UntilClose => Body::new(UpstreamBody::new(
-            conn,
-            pool.clone(),
-            Remaining::UntilClose,
-            VecDeque::new(),
-            false,
-        )),
-    };
-    let mut response = Response::new(body);
-    *response.status_mut() = status;
-    *response.headers_mut() = headers;
-    response
-}
-
-/// A chunked body: decoded whole from the buffer when its last chunk is
-/// already there, streamed otherwise. A malformed chunk becomes a body
-/// error, so the client sees a broken answer rather than a wrong one.
-fn chunked_body(mut conn: Conn, pool: &Arc<Pool>, reusable: bool) -> Body {
-    let mut decoder = ChunkedDecoder::default();
-    let mut decoded = VecDeque::new();
-    loop {
-        match decoder.decode(&mut conn.read_buf) {
-            Ok(Decoded::Data(data)) => decoded.push_back(data),
-            Ok(Decoded::Done) => {
-                if reusable {
-                    pool.checkin(conn);
-                }
-                return match decoded.len() {
-                    0 => Body::empty(),
-                    1 => Body::from(decoded.pop_front().unwrap_or_default()),
-                    _ => {
-                        let mut whole = BytesMut::new();
-                        decoded.iter().for_each(|d| whole.extend_from_slice(d));
-                        Body::from(whole.freeze())
+        std::task::Poll::Ready(match frame {
+            None => match this.declared {
+                Some(len) if this.sent != len => this.fail(
+                    FAULT_CLIENT,
+                    format!("body of {} bytes, {len} declared", this.sent),
+                ),
+                _ => None,
+            },
+            Some(Err(e)) => this.fail(FAULT_CLIENT, e.to_string()),
+            Some(Ok(frame)) => match frame.into_data() {
+                // Request trailers are not forwarded.
+                Err(_) => Some(Ok(http_body::Frame::data(Bytes::new()))),
+                Ok(data) => {
+                    this.sent += data.len() as u64;
+                    if this.sent > this.limit {
+                        this.fail(FAULT_TOO_LARGE, "request body over the limit".into())
+                    } else if this.declared.is_some_and(|len| this.sent > len) {
+                        this.fail(FAULT_CLIENT, "body longer than declared".into())
+                    } else {
+                        Some(Ok(http_body::Frame::data(data)))
                     }
-                };
-            }
-            Ok(Decoded::NeedMore) => {
-                return Body::new(UpstreamBody::new(
-                    conn,
-                    pool.clone(),
-                    Remaining::Chunked(decoder),
-                    decoded,
-                    reusable,
-                ));
-            }
-            Err(e) => {
-                return Body::new(http_body_util::StreamBody::new(futures_util::stream::once(
-                    async move { Err::<http_body::Frame<Bytes>, WireError>(e) },
-                )));
-            }
-        }
+                }
+            },
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }

@@ -1,6 +1,5 @@
 //! Which request headers reach the upstream: hop-by-hop filtering and the
-//! `X-Forwarded-*` headers. (Answers are filtered by the wire codec as it
-//! parses them.)
+//! `X-Forwarded-*` headers, and which answer headers reach the client.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -13,6 +12,8 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 pub struct ClientAddr {
     pub addr: SocketAddr,
     ip_text: HeaderValue,
+    /// Whether the client reached the gateway over TLS.
+    secure: bool,
 }
 
 impl ClientAddr {
@@ -30,7 +31,19 @@ impl ClientAddr {
             ip => HeaderValue::from_str(&ip.to_string()),
         }
         .expect("an IP address is a valid header value");
-        ClientAddr { addr, ip_text }
+        ClientAddr {
+            addr,
+            ip_text,
+            secure: false,
+        }
+    }
+
+    /// The peer at `addr`, connected over TLS (`X-Forwarded-Proto: https`).
+    pub fn secure(addr: SocketAddr) -> Self {
+        ClientAddr {
+            secure: true,
+            ..ClientAddr::new(addr)
+        }
     }
 }
 
@@ -126,28 +139,22 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
-/// Writes the request's header lines as the upstream gets them, straight
-/// from the client's header map (no copy of the map, no removals):
-/// hop-by-hop headers and those `Connection` names are left out (never the
-/// gateway's own `Idempotency-Key`, `X-Request-Id` or `X-Forwarded-*`,
-/// whatever `Connection` lists); the client is appended to
-/// `X-Forwarded-For`; `Host` becomes `X-Forwarded-Host` (the wire codec
-/// writes `Host` as the upstream's authority);
-/// `X-Forwarded-Proto` is `http`. `Content-Length` is left out because the
-/// codec frames the body it actually sends, and `Expect` because the
-/// gateway already answered `100-continue` and sends the body without
-/// waiting.
-pub(super) fn write_request_headers(
-    out: &mut Vec<u8>,
-    headers: &HeaderMap,
-    client: Option<&ClientAddr>,
-) {
+/// The request's headers as the upstream gets them, built from the
+/// client's header map in one pass (no removals): hop-by-hop headers and
+/// those `Connection` names are left out (never the gateway's own
+/// `Idempotency-Key`, `X-Request-Id` or `X-Forwarded-*`, whatever
+/// `Connection` lists); the client is appended to `X-Forwarded-For`;
+/// `Host` becomes `X-Forwarded-Host` (the client sets `Host` to the
+/// upstream's authority); `X-Forwarded-Proto` is how the client reached
+/// the gateway. `Content-Length` is left out because the client frames the
+/// body it actually sends, and `Expect` because the gateway already
+/// answered `100-continue` and sends the body without waiting.
+pub(super) fn request_headers(headers: &HeaderMap, client: Option<&ClientAddr>) -> HeaderMap {
     let named = connection_named(headers);
+    let mut out = HeaderMap::with_capacity(headers.len() + 4);
     let mut prior_for: Vec<&[u8]> = Vec::new();
     let mut host: Option<&HeaderValue> = None;
     for (name, value) in headers {
-        // `HeaderValue` refuses CR, LF and NUL, so no value can end its line
-        // early and inject a header or a second request.
         if *name == header::HOST {
             host.get_or_insert(value);
         } else if *name == X_FORWARDED_FOR {
@@ -159,42 +166,117 @@ pub(super) fn write_request_headers(
             || is_hop_by_hop(name)
             || named.contains(name))
         {
-            line(out, name.as_str().as_bytes(), &[value.as_bytes()]);
+            out.append(name.clone(), value.clone());
         }
     }
     if let Some(client) = client {
         prior_for.retain(|v| !v.trim_ascii().is_empty());
         prior_for.push(client.ip_text.as_bytes());
-        line(out, X_FORWARDED_FOR.as_str().as_bytes(), &prior_for);
-    } else if !prior_for.is_empty() {
-        line(out, X_FORWARDED_FOR.as_str().as_bytes(), &prior_for);
     }
-    line(out, X_FORWARDED_PROTO.as_str().as_bytes(), &[b"http"]);
+    if !prior_for.is_empty() {
+        out.insert(X_FORWARDED_FOR, joined(&prior_for));
+    }
+    let proto = if client.is_some_and(|c| c.secure) {
+        "https"
+    } else {
+        "http"
+    };
+    out.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     if let Some(host) = host {
-        line(
-            out,
-            X_FORWARDED_HOST.as_str().as_bytes(),
-            &[host.as_bytes()],
-        );
+        out.insert(X_FORWARDED_HOST, host.clone());
     }
+    out
 }
 
-/// One header line; several values are joined with `, `.
-fn line(out: &mut Vec<u8>, name: &[u8], values: &[&[u8]]) {
-    out.extend_from_slice(name);
-    out.extend_from_slice(b": ");
+/// Several header values as one, joined with `, `.
+fn joined(values: &[&[u8]]) -> HeaderValue {
+    if let [one] = values
+        && let Ok(value) = HeaderValue::from_bytes(one)
+    {
+        return value;
+    }
+    let mut text = Vec::with_capacity(values.iter().map(|v| v.len() + 2).sum());
     for (i, value) in values.iter().enumerate() {
         if i > 0 {
-            out.extend_from_slice(b", ");
+            text.extend_from_slice(b", ");
         }
-        out.extend_from_slice(value);
+        text.extend_from_slice(value);
     }
-    out.extend_from_slice(b"\r\n");
+    // Made of valid header values and ", ": valid.
+    HeaderValue::from_bytes(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// Removes what describes the upstream connection from an answer: the
+/// hop-by-hop headers and those its `Connection` names. An answer with a
+/// transfer coding other than `chunked` (hyper has removed the chunking)
+/// is refused: the coding is hop-by-hop, so relaying the bytes without it
+/// would hand the client a body it cannot read, and no client asked for
+/// one (nginx refuses it too).
+pub(super) fn strip_response_headers(headers: &mut HeaderMap) -> Result<(), String> {
+    for coding in headers.get_all(header::TRANSFER_ENCODING) {
+        let text = coding.to_str().unwrap_or("?");
+        if text
+            .split(',')
+            .map(str::trim)
+            .any(|c| !c.eq_ignore_ascii_case("chunked"))
+        {
+            return Err(format!("the upstream sent Transfer-Encoding: {text}"));
+        }
+    }
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        // The chunking decided the length (RFC 9112 §6.3); a length beside
+        // it would misframe the answer to the client.
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    if !headers.keys().any(is_hop_by_hop) {
+        return Ok(());
+    }
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+        .collect();
+    for name in HOP_BY_HOP.iter().chain(&named) {
+        headers.remove(name);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Header lines as they would be written.
+    fn render(headers: &HeaderMap) -> String {
+        headers
+            .iter()
+            .map(|(name, value)| format!("{name}: {}\r\n", value.to_str().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn answers_lose_hop_by_hop_headers_and_foreign_transfer_codings_are_refused() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, "x-hop".parse().unwrap());
+        h.insert("x-hop", "1".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        h.insert("x-kept", "yes".parse().unwrap());
+        strip_response_headers(&mut h).unwrap();
+        assert_eq!(render(&h), "x-kept: yes\r\n");
+        let mut gzip = HeaderMap::new();
+        gzip.insert(header::TRANSFER_ENCODING, "gzip, chunked".parse().unwrap());
+        assert!(strip_response_headers(&mut gzip).is_err());
+    }
+
+    #[test]
+    fn a_tls_client_is_forwarded_as_https() {
+        let client = ClientAddr::secure("127.0.0.1:9".parse().unwrap());
+        let h = request_headers(&HeaderMap::new(), Some(&client));
+        assert_eq!(h.get(X_FORWARDED_PROTO).unwrap(), "https");
+    }
 
     #[test]
     fn client_addresses_are_written_as_display_writes_them() {
@@ -233,16 +315,14 @@ mod tests {
         h.insert(header::TE, "trailers".parse().unwrap());
         h.insert(header::UPGRADE, "websocket".parse().unwrap());
         h.insert("x-end-to-end", "kept".parse().unwrap());
-        let mut written = Vec::new();
-        write_request_headers(&mut written, &h, None);
         assert_eq!(
-            String::from_utf8(written).unwrap(),
+            render(&request_headers(&h, None)),
             "x-end-to-end: kept\r\nx-forwarded-proto: http\r\n"
         );
     }
 
     #[test]
-    fn forwarded_headers_are_set_and_framing_is_left_to_the_codec() {
+    fn forwarded_headers_are_set_and_framing_is_left_to_the_client() {
         let mut h = HeaderMap::new();
         h.insert(X_FORWARDED_FOR, "10.0.0.1".parse().unwrap());
         h.append(X_FORWARDED_FOR, "10.0.0.2".parse().unwrap());
@@ -251,10 +331,8 @@ mod tests {
         h.insert(header::CONTENT_LENGTH, "3".parse().unwrap());
         h.insert(header::EXPECT, "100-continue".parse().unwrap());
         let client = ClientAddr::new("127.0.0.1:9".parse().unwrap());
-        let mut written = Vec::new();
-        write_request_headers(&mut written, &h, Some(&client));
         assert_eq!(
-            String::from_utf8(written).unwrap(),
+            render(&request_headers(&h, Some(&client))),
             "x-forwarded-for: 10.0.0.1, 10.0.0.2, 127.0.0.1\r\n\
              x-forwarded-proto: http\r\nx-forwarded-host: shop.example\r\n"
         );
@@ -316,10 +394,8 @@ mod tests {
         h.insert("x-secret", "1".parse().unwrap());
         h.insert(header::HOST, "shop.example".parse().unwrap());
         let client = ClientAddr::new("127.0.0.1:9".parse().unwrap());
-        let mut written = Vec::new();
-        write_request_headers(&mut written, &h, Some(&client));
         assert_eq!(
-            String::from_utf8(written).unwrap(),
+            render(&request_headers(&h, Some(&client))),
             "idempotency-key: ig-stable\r\nx-request-id: rid-1\r\n\
              x-forwarded-for: 127.0.0.1\r\nx-forwarded-proto: http\r\n\
              x-forwarded-host: shop.example\r\n"
@@ -336,10 +412,8 @@ mod tests {
         h.insert("x-secret", "1".parse().unwrap());
         h.insert("x-request-id", "rid-2".parse().unwrap());
         h.insert("x-kept", "yes".parse().unwrap());
-        let mut written = Vec::new();
-        write_request_headers(&mut written, &h, None);
         assert_eq!(
-            String::from_utf8(written).unwrap(),
+            render(&request_headers(&h, None)),
             "x-request-id: rid-2\r\nx-kept: yes\r\nx-forwarded-proto: http\r\n"
         );
     }

@@ -1,21 +1,25 @@
 //! Keep-alive connections to one upstream, owned by one worker thread.
 //!
 //! Every worker thread builds its own routes, so every worker has its own
-//! pool per upstream: a connection is only ever driven by the thread that
-//! opened it, and checkout and checkin are an uncontended lock around a
-//! `Vec`. Idle connections are not polled by anyone; a connection the
-//! upstream closed while it sat idle is noticed at checkout, where a
-//! non-blocking read sees its end-of-stream (tokio answers that read from
-//! the readiness the reactor already recorded, so a live connection costs
-//! no system call).
+//! pool per upstream, and the connections' tasks run on that worker's
+//! runtime. Each connection is driven by hyper's client dispatcher, which
+//! keeps reading it while it sits idle: an upstream that closes it, or
+//! sends bytes no request asked for, has the connection closed at once,
+//! and checkout only hands out senders whose connection is open and idle.
+//!
+//! HTTP/1.1 connections carry one exchange at a time and go back to the
+//! pool when their answer's body has been read to the end (see
+//! [`PooledBody`]). An HTTP/2 upstream gets one multiplexed connection per
+//! worker, shared by every request of that worker.
 
-use std::io;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
-use tokio::net::TcpStream;
+use axum::body::Body;
+use hyper::client::conn::{http1, http2};
+use rustls::pki_types::ServerName;
+
+use super::connect::{ConnectError, Connector, Sender};
 
 /// Idle connections are closed after this, well below the keep-alive
 /// timeouts of common servers (nginx 75 s; Node's 5 s is the exception), so
@@ -23,52 +27,69 @@ use tokio::net::TcpStream;
 pub(super) const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// Idle connections kept per upstream per worker; more are closed.
 pub(super) const POOL_MAX_IDLE: usize = 1024;
-/// How long opening a connection may take (every resolved address).
-pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Read buffer capacity of a new connection.
-const READ_BUFFER_BYTES: usize = 8 * 1024;
 
-/// One upstream connection and what was read from it but not yet used.
-#[derive(Debug)]
-pub(super) struct Conn {
-    pub(super) stream: TcpStream,
-    pub(super) read_buf: BytesMut,
+struct Idle {
+    sender: http1::SendRequest<Body>,
+    since: Instant,
+}
+
+/// A sender checked out of the pool.
+pub(super) struct Checked {
+    pub(super) sender: Sender,
     /// Whether it carried an earlier request (a fresh one cannot be stale).
     pub(super) reused: bool,
 }
 
-#[derive(Debug)]
-struct Idle {
-    conn: Conn,
-    since: Instant,
+/// The connections to one upstream.
+pub struct Pool {
+    connector: Connector,
+    idle: Mutex<Vec<Idle>>,
+    shared_h2: Mutex<Option<http2::SendRequest<Body>>>,
 }
 
-/// The idle connections to one upstream.
-#[derive(Debug)]
-pub struct Pool {
-    authority: String,
-    idle: Mutex<Vec<Idle>>,
-    connect_timeout: Duration,
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("authority", &self.connector.authority())
+            .field("tls", &self.connector.is_tls())
+            .field("http2", &self.connector.is_http2())
+            .finish()
+    }
+}
+
+/// How a pool reaches its upstream.
+#[derive(Clone, Default)]
+pub struct PoolOptions {
+    /// TLS client settings and the server name to verify, for `https://`.
+    pub tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    /// Speak HTTP/2 (ALPN over TLS, prior knowledge over plain TCP).
+    pub http2: bool,
+    /// Bound on opening one connection (at most five seconds).
+    pub connect_timeout: Option<Duration>,
 }
 
 impl Pool {
-    /// An empty pool for `authority` (`host:port`). When called inside a
-    /// tokio runtime, a reaper task closes idle connections past
-    /// [`POOL_IDLE_TIMEOUT`]; it ends when the pool is dropped.
+    /// A plain HTTP/1.1 pool for `authority` (`host:port`).
     pub fn new(authority: String) -> Arc<Pool> {
-        Self::with_connect_timeout(authority, CONNECT_TIMEOUT)
+        Self::with_options(authority, PoolOptions::default())
     }
 
-    /// A pool whose connects give up after `connect_timeout` (at most
-    /// [`CONNECT_TIMEOUT`]). A route's upstream timeout bounds the whole
-    /// exchange; the connect must fail before it does, so that a request
-    /// that never left is reported as never sent (its claim released), not
-    /// as an uncertain timeout.
-    pub fn with_connect_timeout(authority: String, connect_timeout: Duration) -> Arc<Pool> {
+    /// A pool for `authority` reached as `options` say. When called inside
+    /// a tokio runtime, a reaper task closes idle connections past
+    /// [`POOL_IDLE_TIMEOUT`]; it ends when the pool is dropped.
+    ///
+    /// A route's upstream timeout bounds the whole exchange; the connect
+    /// must fail before it does, so that a request that never left is
+    /// reported as never sent (its claim released), not as an uncertain
+    /// timeout: the gateway passes half the upstream timeout.
+    pub fn with_options(authority: String, options: PoolOptions) -> Arc<Pool> {
+        let timeout = options
+            .connect_timeout
+            .unwrap_or(super::connect::CONNECT_TIMEOUT);
         let pool = Arc::new(Pool {
-            authority,
+            connector: Connector::new(authority, options.tls, options.http2, timeout),
             idle: Mutex::new(Vec::new()),
-            connect_timeout: connect_timeout.min(CONNECT_TIMEOUT),
+            shared_h2: Mutex::new(None),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(reap(Arc::downgrade(&pool)));
@@ -78,89 +99,103 @@ impl Pool {
 
     /// The `host:port` this pool connects to.
     pub(super) fn authority(&self) -> &str {
-        &self.authority
+        self.connector.authority()
     }
 
-    /// The most recently used live idle connection, if any. Last in, first
+    /// Whether requests travel over TLS.
+    pub(super) fn is_tls(&self) -> bool {
+        self.connector.is_tls()
+    }
+
+    /// A sender ready for a request: a pooled idle one, or a new connection.
+    pub(super) async fn checkout(&self) -> Result<Checked, ConnectError> {
+        if let Some(sender) = self.checkout_idle() {
+            return Ok(Checked {
+                sender,
+                reused: true,
+            });
+        }
+        self.connect().await.map(|sender| Checked {
+            sender,
+            reused: false,
+        })
+    }
+
+    /// A sender on a new connection (an HTTP/2 one becomes the shared one).
+    pub(super) async fn connect(&self) -> Result<Sender, ConnectError> {
+        // Opening a connection is large and rare: boxed so it does not
+        // inflate every request's future.
+        let sender = Box::pin(self.connector.open()).await?;
+        if let Sender::Http2(h2) = &sender {
+            *lock(&self.shared_h2) = Some(h2.clone());
+        }
+        Ok(sender)
+    }
+
+    /// The most recently used open, idle connection, if any. Last in, first
     /// out: the warmest connection is the least likely to be closing.
-    pub(super) fn checkout(&self) -> Option<Conn> {
-        loop {
-            let idle = self.lock().pop()?;
-            if idle.since.elapsed() >= POOL_IDLE_TIMEOUT {
-                // Everything below it is older still.
-                self.lock().clear();
-                return None;
-            }
-            let mut probe = [0u8; 1];
-            match idle.conn.stream.try_read(&mut probe) {
-                // Nothing to read: the connection is open and quiet.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Some(idle.conn),
-                // End of stream, stray bytes or an error: not reusable.
-                _ => continue,
-            }
+    fn checkout_idle(&self) -> Option<Sender> {
+        if self.connector.is_http2() {
+            let shared = lock(&self.shared_h2);
+            return match &*shared {
+                Some(h2) if !h2.is_closed() && h2.is_ready() => Some(Sender::Http2(h2.clone())),
+                _ => None,
+            };
         }
+        let mut idle = lock(&self.idle);
+        // Open but not yet idle (its dispatcher has not run since the
+        // answer ended): kept for the next checkout, not closed.
+        let mut settling = Vec::new();
+        let found = loop {
+            let Some(entry) = idle.pop() else { break None };
+            if entry.since.elapsed() >= POOL_IDLE_TIMEOUT {
+                idle.clear(); // everything below it is older still
+                break None;
+            }
+            if entry.sender.is_closed() {
+                continue;
+            }
+            if entry.sender.is_ready() {
+                break Some(Sender::Http1(entry.sender));
+            }
+            settling.push(entry);
+        };
+        idle.extend(settling.into_iter().rev());
+        found
     }
 
-    /// Returns a connection whose last exchange ended cleanly.
-    pub(super) fn checkin(&self, mut conn: Conn) {
-        if !conn.read_buf.is_empty() {
-            return; // bytes after the response: the framing is off, close
+    /// Returns an HTTP/1.1 sender whose exchange ended cleanly.
+    pub(super) fn checkin(&self, sender: http1::SendRequest<Body>) {
+        if sender.is_closed() {
+            return;
         }
-        conn.reused = true;
-        let mut idle = self.lock();
+        let mut idle = lock(&self.idle);
         if idle.len() < POOL_MAX_IDLE {
             idle.push(Idle {
-                conn,
+                sender,
                 since: Instant::now(),
             });
         }
     }
 
-    /// Opens a new connection, trying each resolved address in turn.
-    pub(super) async fn connect(&self) -> io::Result<Conn> {
-        let attempt = async {
-            let mut last = io::Error::new(io::ErrorKind::NotFound, "no address resolved");
-            for addr in tokio::net::lookup_host(self.authority.as_str()).await? {
-                match connect_one(addr).await {
-                    Ok(stream) => return Ok(stream),
-                    Err(e) => last = e,
-                }
-            }
-            Err(last)
-        };
-        let stream = tokio::time::timeout(self.connect_timeout, attempt)
-            .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
-        Ok(Conn {
-            stream,
-            read_buf: BytesMut::with_capacity(READ_BUFFER_BYTES),
-            reused: false,
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
-        // Nothing panics while holding the lock (push, pop, retain), so a
-        // poisoned lock still guards a consistent Vec.
-        self.idle.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     fn close_expired(&self) {
         let now = Instant::now();
-        self.lock()
-            .retain(|idle| now.duration_since(idle.since) < POOL_IDLE_TIMEOUT);
+        lock(&self.idle).retain(|idle| {
+            now.duration_since(idle.since) < POOL_IDLE_TIMEOUT && !idle.sender.is_closed()
+        });
     }
 
     /// How many idle connections the pool holds (for tests).
     #[cfg(test)]
     pub(super) fn idle_count(&self) -> usize {
-        self.lock().len()
+        lock(&self.idle).len()
     }
 }
 
-async fn connect_one(addr: SocketAddr) -> io::Result<TcpStream> {
-    let stream = TcpStream::connect(addr).await?;
-    stream.set_nodelay(true)?;
-    Ok(stream)
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Nothing panics while holding these locks (push, pop, retain, clone),
+    // so a poisoned lock still guards a consistent value.
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 async fn reap(pool: Weak<Pool>) {
@@ -175,6 +210,68 @@ async fn reap(pool: Weak<Pool>) {
     }
 }
 
+/// An answer's body that returns its HTTP/1.1 connection to the pool once
+/// it has been read to the end. Dropped before the end, it takes the
+/// connection with it (hyper closes a connection whose answer was not
+/// read, so a half-read answer is never mistaken for the next one).
+pub(super) struct PooledBody {
+    inner: hyper::body::Incoming,
+    home: Option<(http1::SendRequest<Body>, Arc<Pool>)>,
+}
+
+impl PooledBody {
+    pub(super) fn new(
+        inner: hyper::body::Incoming,
+        home: Option<(http1::SendRequest<Body>, Arc<Pool>)>,
+    ) -> PooledBody {
+        let mut body = PooledBody { inner, home };
+        if http_body::Body::is_end_stream(&body.inner) {
+            body.go_home();
+        }
+        body
+    }
+
+    fn go_home(&mut self) {
+        if let Some((sender, pool)) = self.home.take() {
+            pool.checkin(sender);
+        }
+    }
+}
+
+impl http_body::Body for PooledBody {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            std::task::Poll::Ready(None) => this.go_home(),
+            // Trailers are the last frame there is, whether or not the
+            // reader polls again.
+            std::task::Poll::Ready(Some(Ok(frame)))
+                if frame.is_trailers() || this.inner.is_end_stream() =>
+            {
+                this.go_home()
+            }
+            std::task::Poll::Ready(Some(Err(_))) => this.home = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,30 +282,31 @@ mod tests {
     async fn a_connection_closed_while_idle_is_not_handed_out() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let pool = Pool::new(listener.local_addr().unwrap().to_string());
-        let conn = pool.connect().await.unwrap();
+        let Sender::Http1(sender) = pool.connect().await.unwrap() else {
+            panic!("an HTTP/1.1 pool");
+        };
         let (mut server_side, _) = listener.accept().await.unwrap();
-        pool.checkin(conn);
+        let mut sender = sender;
+        sender.ready().await.unwrap();
+        pool.checkin(sender);
         assert_eq!(pool.idle_count(), 1);
-        let live = pool.checkout().expect("a live idle connection is reused");
-        assert!(live.reused);
-        pool.checkin(live);
+        let live = pool.checkout().await.expect("a live idle connection");
+        assert!(live.reused, "the idle connection is reused");
+        let Sender::Http1(sender) = live.sender else {
+            panic!("an HTTP/1.1 pool");
+        };
+        pool.checkin(sender);
         server_side.shutdown().await.unwrap();
         drop(server_side);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(
-            pool.checkout().is_none(),
-            "the closed connection is dropped"
-        );
-        assert_eq!(pool.idle_count(), 0);
-    }
-
-    #[tokio::test]
-    async fn leftover_bytes_keep_a_connection_out_of_the_pool() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let pool = Pool::new(listener.local_addr().unwrap().to_string());
-        let mut conn = pool.connect().await.unwrap();
-        conn.read_buf.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
-        pool.checkin(conn);
-        assert_eq!(pool.idle_count(), 0);
+        // hyper's dispatcher reads the idle connection and sees its end.
+        for _ in 0..100 {
+            match pool.checkout_idle() {
+                None => break,
+                Some(Sender::Http1(sender)) => pool.checkin(sender),
+                Some(Sender::Http2(_)) => panic!("an HTTP/1.1 pool"),
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(pool.idle_count(), 0, "the closed connection is dropped");
     }
 }

@@ -13,10 +13,11 @@ use http::{Request, Response};
 use tower::Service;
 
 use super::client::{self, SendError};
-use super::pool::Pool;
+use super::pool::{Pool, PoolOptions};
 use crate::error::Problem;
 use crate::metrics::Histogram;
 use crate::router::{Handler, HandlerFuture};
+use rustls::pki_types::ServerName;
 
 /// Where a route forwards to.
 #[derive(Debug)]
@@ -24,10 +25,14 @@ pub struct Upstream {
     pub name: String,
     pub authority: Authority,
     pub timeout: Duration,
+    /// `https://`: TLS settings and the name the certificate must carry.
+    pub tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    /// Speak HTTP/2 to it.
+    pub http2: bool,
 }
 
 impl Upstream {
-    /// From a validated `[[upstreams]]` entry.
+    /// From a validated `[[upstreams]]` entry; reads its TLS files.
     pub fn from_config(u: &crate::config::UpstreamConfig) -> Result<Upstream, String> {
         let url = url::Url::parse(&u.url).map_err(|e| e.to_string())?;
         let host = url.host_str().ok_or("no host")?;
@@ -37,11 +42,48 @@ impl Upstream {
         } else {
             format!("{host}:{port}")
         };
+        let tls = match url.scheme() {
+            "https" => {
+                let files = crate::tls::ClientFiles {
+                    ca_file: u.ca_file.as_deref().map(|p| ("upstreams[].ca_file", p)),
+                    client_cert: u
+                        .client_cert
+                        .as_deref()
+                        .map(|p| ("upstreams[].client_cert", p)),
+                    client_key: u
+                        .client_key
+                        .as_deref()
+                        .map(|p| ("upstreams[].client_key", p)),
+                };
+                let config =
+                    crate::tls::client_config(&files, u.http2).map_err(|e| e.to_string())?;
+                let name = ServerName::try_from(host.trim_matches(['[', ']']).to_owned())
+                    .map_err(|e| format!("{host:?} is not a TLS server name: {e}"))?;
+                Some((config, name))
+            }
+            _ => None,
+        };
         Ok(Upstream {
             name: u.name.clone(),
             authority: authority.parse().map_err(|e| format!("{e}"))?,
             timeout: u.timeout.get(),
+            tls,
+            http2: u.http2,
         })
+    }
+
+    /// A pool of this worker's connections to it. Connects are bounded by
+    /// half the upstream's timeout: a connect that hangs is "never sent"
+    /// and must be told before the exchange times out.
+    pub fn pool(&self) -> Arc<Pool> {
+        Pool::with_options(
+            self.authority.to_string(),
+            PoolOptions {
+                tls: self.tls.clone(),
+                http2: self.http2,
+                connect_timeout: Some(self.timeout / 2),
+            },
+        )
     }
 }
 
@@ -50,6 +92,8 @@ impl Upstream {
 pub enum ProxyError {
     #[error("connecting to upstream {0} failed")]
     Connect(String),
+    #[error("TLS with upstream {upstream} failed: {cause}")]
+    Tls { upstream: String, cause: String },
     #[error("upstream {0} gave no answer within its timeout")]
     Timeout(String),
     #[error("upstream {upstream} connection failed: {cause}")]
@@ -75,6 +119,7 @@ impl ProxyError {
     fn failure(&self) -> ForwardFailure {
         match self {
             ProxyError::Connect(_) | ProxyError::BodyTooLarge { .. } => ForwardFailure::NotSent,
+            ProxyError::Tls { .. } => ForwardFailure::NotSent,
             ProxyError::BadRequestBody(_) => ForwardFailure::NotSent,
             ProxyError::Timeout(_) | ProxyError::Broken { .. } => ForwardFailure::Uncertain,
         }
@@ -118,7 +163,7 @@ impl Proxy {
         let started = Instant::now();
         let answer = tokio::time::timeout(
             self.upstream.timeout,
-            client::send(&self.pool, &parts, body, limit),
+            client::send(&self.pool, parts, body, limit),
         )
         .await;
         self.latency.observe(started.elapsed());
@@ -127,7 +172,6 @@ impl Proxy {
             Ok(Err(e)) => return Err(self.classify(e, limit)),
             Ok(Ok(response)) => response,
         };
-        // The wire codec never lets hop-by-hop headers into the answer.
         Ok(response)
     }
 
@@ -135,6 +179,7 @@ impl Proxy {
         let upstream = self.upstream.name.clone();
         match e {
             SendError::Connect(_) => ProxyError::Connect(upstream),
+            SendError::Tls(cause) => ProxyError::Tls { upstream, cause },
             SendError::BodyTooLarge => ProxyError::BodyTooLarge { limit },
             SendError::RequestBody(cause) => ProxyError::BadRequestBody(cause),
             SendError::Broken(cause) => ProxyError::Broken { upstream, cause },

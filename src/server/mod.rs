@@ -1,15 +1,24 @@
-//! Listening: the accept loop, connection hardening and graceful shutdown.
+//! Listening: the accept loop, TLS, connection hardening and graceful
+//! shutdown.
 //!
-//! We run hyper's HTTP/1 connection builder ourselves instead of
-//! `axum::serve` because the hardening lives there: hyper's
-//! `header_read_timeout` only fires when a timer is installed, so every
-//! connection gets a [`TokioTimer`]. A semaphore caps open connections; past
-//! the cap the loop stops accepting and the kernel's backlog holds the rest,
-//! which keeps memory flat under a connection flood. Shutdown stops accepting
-//! first, then lets every in-flight request finish (hyper's graceful
-//! shutdown finishes the current exchange and closes keep-alive connections),
-//! bounded by a grace period. With several workers, [`balance`] decides
-//! which worker serves each new connection.
+//! We run hyper's connection builders ourselves instead of `axum::serve`
+//! because the hardening lives there: hyper's `header_read_timeout` only
+//! fires when a timer is installed, so every connection gets a
+//! [`TokioTimer`]. One port speaks HTTP/1.1 and HTTP/2: with TLS, ALPN
+//! decides; on plain TCP the first bytes are peeked at (within the header
+//! read timeout) for the HTTP/2 preface a prior-knowledge client sends,
+//! and the connection goes to hyper's HTTP/1 or HTTP/2 server, so neither
+//! pays for a sniffing wrapper on every read. A semaphore caps
+//! open connections; past the cap the loop stops accepting and the kernel's
+//! backlog holds the rest, which keeps memory flat under a connection
+//! flood. HTTP/2 connections are capped in streams, header bytes and the
+//! resets a client may make (the rapid-reset attack, CVE-2023-44487, is
+//! answered by hyper's `h2` with `GOAWAY` once a client resets more streams
+//! than it may). Shutdown stops accepting first, then lets every in-flight
+//! request finish (hyper's graceful shutdown finishes the current exchange
+//! and closes keep-alive connections), bounded by a grace period. With
+//! several workers, [`balance`] decides which worker serves each new
+//! connection.
 
 pub mod balance;
 
@@ -21,19 +30,128 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper::server::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
-/// Limits applied to every accepted connection.
-#[derive(Debug, Clone, Copy)]
+/// An idle HTTP/2 connection is pinged this often; one that does not
+/// answer within hyper's keep-alive timeout (20 s) is closed.
+pub const H2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// Streams one HTTP/2 connection may have open at once (nginx's default
+/// is 128, Envoy's 100): each is a request.
+pub const H2_MAX_CONCURRENT_STREAMS: u32 = 128;
+/// Bytes of headers one HTTP/2 request may carry, decoded.
+pub const H2_MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
+/// Streams a client may open and reset before the gateway served them;
+/// more and the connection is closed with `GOAWAY` (rapid reset).
+pub const H2_MAX_PENDING_RESET_STREAMS: usize = 20;
+/// Streams the gateway may reset for a client's protocol errors before it
+/// closes the connection.
+pub const H2_MAX_LOCAL_ERROR_RESETS: usize = 256;
+
+/// How every accepted connection is served.
+#[derive(Debug, Clone)]
 pub struct ConnLimits {
+    /// Bound on the TLS handshake and on each HTTP/1.1 request head.
     pub header_read_timeout: Duration,
     pub max_connections: usize,
     pub shutdown_grace: Duration,
+    /// HTTP/2 beside HTTP/1.1.
+    pub http2: bool,
+    /// Terminate TLS with this configuration.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
+
+impl ConnLimits {
+    /// Plain HTTP/1.1 and h2c with these bounds.
+    pub fn plain(
+        header_read_timeout: Duration,
+        max_connections: usize,
+        shutdown_grace: Duration,
+    ) -> Self {
+        ConnLimits {
+            header_read_timeout,
+            max_connections,
+            shutdown_grace,
+            http2: true,
+            tls: None,
+        }
+    }
+
+    /// The HTTP/1.1 builder every connection of a loop shares (with one
+    /// timer handle).
+    fn http1(&self) -> http1::Builder {
+        let mut builder = http1::Builder::new();
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.header_read_timeout)
+            .keep_alive(true)
+            // Answers are mostly small: one flat buffer (head and body
+            // copied together) costs less than queueing buffers for
+            // `writev`.
+            .writev(false);
+        builder
+    }
+
+    /// The HTTP/2 builder every connection of a loop shares.
+    fn http2(&self) -> http2::Builder<TokioExecutor> {
+        let mut builder = http2::Builder::new(TokioExecutor::new());
+        builder
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(H2_MAX_CONCURRENT_STREAMS)
+            .max_header_list_size(H2_MAX_HEADER_LIST_BYTES)
+            .max_pending_accept_reset_streams(H2_MAX_PENDING_RESET_STREAMS)
+            .max_local_error_reset_streams(H2_MAX_LOCAL_ERROR_RESETS)
+            .keep_alive_interval(H2_KEEP_ALIVE_INTERVAL);
+        builder
+    }
+}
+
+/// The HTTP/2 client preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Which protocol a connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Http1,
+    Http2,
+}
+
+/// Reads (without consuming) the first bytes of a plain connection, until
+/// they are the HTTP/2 preface or cannot be: h2c with prior knowledge, or
+/// HTTP/1.1. `None` when the client closes or stays silent past
+/// `deadline`, so a connection that never speaks holds its slot no longer
+/// than a slow request head would.
+async fn sniff(stream: &tokio::net::TcpStream, within: Duration) -> Option<Protocol> {
+    let deadline = tokio::time::Instant::now() + within;
+    let mut seen = [0u8; 24];
+    loop {
+        let n = tokio::time::timeout_at(deadline, stream.peek(&mut seen))
+            .await
+            .ok()?
+            .ok()?;
+        if n == 0 {
+            return None;
+        }
+        if seen[..n] != H2_PREFACE[..n] {
+            return Some(Protocol::Http1);
+        }
+        if n == H2_PREFACE.len() {
+            return Some(Protocol::Http2);
+        }
+        // Part of the preface so far: wait for the rest (peek would see
+        // the same bytes again at once).
+        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + SNIFF_RETRY)).await;
+    }
+}
+
+/// Pause between peeks at a partial HTTP/2 preface.
+const SNIFF_RETRY: Duration = Duration::from_millis(5);
+
+/// What a served connection runs over.
+type ServerStream = crate::tls::Stream<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>;
 
 /// Tells serve loops to stop; cloneable receivers wait for it.
 #[derive(Debug, Clone)]
@@ -63,13 +181,14 @@ impl ShutdownSignal {
     }
 }
 
-/// Serves HTTP/1.1 on `listener` until `shutdown`, then drains.
+/// Serves HTTP/1.1 and HTTP/2 on `listener` until `shutdown`, then drains.
 ///
-/// `make_service` is called once per connection with the peer address.
-/// A service error closes the connection without an answer (the demo
-/// upstream uses that to simulate a lost acknowledgement). With a `seat`,
-/// this loop is one of several workers on one socket: it serves the
-/// connections the balance leaves here and those other workers hand over.
+/// `make_service` is called once per connection with the peer address and
+/// whether it came over TLS. A service error closes the connection without
+/// an answer (the demo upstream uses that to simulate a lost
+/// acknowledgement). With a `seat`, this loop is one of several workers on
+/// one socket: it serves the connections the balance leaves here and those
+/// other workers hand over.
 pub async fn serve<F, S, E>(
     listener: TcpListener,
     make_service: F,
@@ -77,7 +196,7 @@ pub async fn serve<F, S, E>(
     mut seat: Option<balance::Seat>,
     mut shutdown: ShutdownSignal,
 ) where
-    F: Fn(SocketAddr) -> S,
+    F: Fn(SocketAddr, bool) -> S,
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = E>
         + Send
         + 'static,
@@ -86,15 +205,9 @@ pub async fn serve<F, S, E>(
 {
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    // One builder (and one timer handle) for every connection of this loop.
-    let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .keep_alive(true)
-        // Answers are mostly small: one flat buffer (head and body copied
-        // together) costs less than queueing buffers for `writev`.
-        .writev(false);
+    let builders = Arc::new((limits.http1(), limits.http2()));
+    let http2_on = limits.http2;
+    let acceptor = limits.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     loop {
         // Take a connection slot before accepting, so a flood waits in the
         // kernel backlog instead of in our memory.
@@ -126,17 +239,61 @@ pub async fn serve<F, S, E>(
             _ = shutdown.wait() => break,
         };
         let _ = stream.set_nodelay(true);
-        let connection = builder.serve_connection(TokioIo::new(stream), make_service(peer));
+        let service = make_service(peer, acceptor.is_some());
+        let builders = builders.clone();
+        let watcher = graceful.watcher();
+        let acceptor = acceptor.clone();
+        let handshake_timeout = limits.header_read_timeout;
         // Boxed once here: the connection's state is large, and unboxed it
         // would be copied whole at every move into the spawned task.
-        let connection = Box::pin(graceful.watch(connection));
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
+        tokio::spawn(Box::pin(async move {
+            let (stream, protocol): (ServerStream, _) = match acceptor {
+                None if !http2_on => (crate::tls::Stream::Plain(stream), Protocol::Http1),
+                None => match sniff(&stream, handshake_timeout).await {
+                    Some(protocol) => (crate::tls::Stream::Plain(stream), protocol),
+                    None => return,
+                },
+                Some(acceptor) => {
+                    match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(tls)) => {
+                            // ALPN decides: the listener offers h2 only
+                            // when HTTP/2 is on.
+                            let protocol = match tls.get_ref().1.alpn_protocol() {
+                                Some(crate::tls::ALPN_H2) => Protocol::Http2,
+                                _ => Protocol::Http1,
+                            };
+                            (crate::tls::Stream::Tls(Box::new(tls)), protocol)
+                        }
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, layer = "server", "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, layer = "server", "TLS handshake timed out");
+                            return;
+                        }
+                    }
+                }
+            };
+            let io = TokioIo::new(stream);
+            let ended = match protocol {
+                Protocol::Http1 => {
+                    watcher
+                        .watch(builders.0.serve_connection(io, service))
+                        .await
+                }
+                Protocol::Http2 => {
+                    watcher
+                        .watch(builders.1.serve_connection(io, service))
+                        .await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(slot);
             drop(counted);
-        });
+        }));
     }
     // Stop accepting: close the listening socket before draining.
     drop(listener);
@@ -169,13 +326,17 @@ pub struct PeerService<T> {
 
 impl<T> PeerService<T> {
     /// The per-connection factory [`serve`] takes.
-    pub fn factory(service: T) -> impl Fn(SocketAddr) -> PeerService<T>
+    pub fn factory(service: T) -> impl Fn(SocketAddr, bool) -> PeerService<T>
     where
         T: Clone,
     {
-        move |peer| PeerService {
+        move |peer, tls| PeerService {
             service: service.clone(),
-            peer: crate::proxy::ClientAddr::new(peer),
+            peer: if tls {
+                crate::proxy::ClientAddr::secure(peer)
+            } else {
+                crate::proxy::ClientAddr::new(peer)
+            },
         }
     }
 }

@@ -12,6 +12,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 pub mod services;
+pub mod tls;
 
 use idemgate::config::Config;
 use idemgate::demo_upstream::{self, DemoUpstream};
@@ -56,15 +57,39 @@ pub struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
+/// Set to `1` to run a suite's requests over HTTP/2 (h2c with prior
+/// knowledge) instead of HTTP/1.1: `scripts/test.sh` runs the key, token
+/// and callback suites both ways.
+pub const HTTP2_ENV: &str = "IDEMGATE_TEST_HTTP2";
+
 impl Default for Http {
     fn default() -> Self {
-        Http {
-            client: Client::builder(TokioExecutor::new()).build_http(),
+        if std::env::var(HTTP2_ENV).is_ok_and(|v| v == "1") {
+            Http::h2c()
+        } else {
+            Http::http1()
         }
     }
 }
 
 impl Http {
+    /// A client speaking HTTP/1.1.
+    pub fn http1() -> Http {
+        Http {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    /// A client speaking HTTP/2 with prior knowledge (h2c): every request
+    /// is a stream of one shared connection.
+    pub fn h2c() -> Http {
+        Http {
+            client: Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .build_http(),
+        }
+    }
+
     pub async fn send(
         &self,
         method: &str,
