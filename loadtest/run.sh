@@ -59,8 +59,18 @@ EOF
   nginx -p "$WORK/$1" -c "$WORK/$1/nginx.conf"
 }
 nginx_conf up 'server { listen 127.0.0.1:18081; location / { default_type application/json; return 200 "{\"ok\":true,\"order\":\"ord_1\"}"; } }'
-nginx_conf px 'upstream backend { server 127.0.0.1:18081; keepalive 256; }
-  server { listen 127.0.0.1:18082; location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; } }'
+# A self-signed certificate for both TLS listeners (nginx's and Idemgate's).
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+  -subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 \
+  -keyout "$WORK/tls.key" -out "$WORK/tls.pem" 2>/dev/null
+# The reference proxy: HTTP/1.1 on :18082, h2c on :18083, TLS (h2 and
+# HTTP/1.1 by ALPN) on :18443; always HTTP/1.1 keep-alive to the upstream.
+PX_LOCATION='location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
+nginx_conf px "upstream backend { server 127.0.0.1:18081; keepalive 256; }
+  http2_max_requests 1000000;
+  server { listen 127.0.0.1:18082; $PX_LOCATION }
+  server { listen 127.0.0.1:18083 http2; $PX_LOCATION }
+  server { listen 127.0.0.1:18443 ssl http2; ssl_certificate $WORK/tls.pem; ssl_certificate_key $WORK/tls.key; $PX_LOCATION }"
 
 # Every server runs in a session of its own, as a daemon would: nginx
 # detaches itself, and with the kernel's autogroup scheduling (on by default)
@@ -126,6 +136,17 @@ IDEMGATE_LOG=warn setsid $BIN/idemgate serve --config "$WORK/idemgate.toml" & GW
 IDEMGATE_LOG=warn IDEMGATE_LISTEN=127.0.0.1:18180 IDEMGATE_ADMIN_LISTEN=127.0.0.1:18190 \
   IDEMGATE_DATABASE_URL="$PG_URL?options[search_path]=$SCHEMA" IDEMGATE_REDIS_URL=redis://127.0.0.1:6379/ \
   setsid $BIN/idemgate serve --config "$WORK/idemgate.toml" & GW_PG=$!; pids+=($GW_PG)
+# The same routes behind TLS (h2 and HTTP/1.1 by ALPN), on its own SQLite.
+sed -e "s|127.0.0.1:18080|127.0.0.1:18480|; s|127.0.0.1:18090|127.0.0.1:18490|; s|idemgate.db|idemgate-tls.db|" \
+  "$WORK/idemgate.toml" > "$WORK/idemgate-tls.toml"
+printf '[server.tls]\ncert = "%s"\nkey = "%s"\n' "$WORK/tls.pem" "$WORK/tls.key" > "$WORK/tls-section.toml"
+python3 - "$WORK/idemgate-tls.toml" "$WORK/tls-section.toml" <<'PY'
+import sys
+path, section = sys.argv[1], open(sys.argv[2]).read()
+text = open(path).read().replace("[store]", section + "[store]", 1)
+open(path, "w").write(text)
+PY
+IDEMGATE_LOG=warn setsid $BIN/idemgate serve --config "$WORK/idemgate-tls.toml" & GW_TLS=$!; pids+=($GW_TLS)
 for port in 18080 18180 18081 18082 18091; do
   for _ in $(seq 1 100); do curl -s -o /dev/null "http://127.0.0.1:$port/" && break; sleep 0.1; done
 done
@@ -170,6 +191,33 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 
+echo "== memory with 1000 connections (500 HTTP/1.1 and 500 h2, over TLS) on a fresh gateway"
+for _ in $(seq 1 100); do curl -sk -o /dev/null "https://127.0.0.1:18480/pass/x" && break; sleep 0.1; done
+TLS_RSS_IDLE=$(rss_kib $GW_TLS)
+oha -z 6s -c 500 --no-tui --insecure https://127.0.0.1:18480/pass/x >/dev/null 2>&1 &
+OHA1=$!
+oha -z 6s -c 500 --http2 -p 1 --no-tui --insecure https://127.0.0.1:18480/pass/x >/dev/null 2>&1 &
+OHA2=$!
+sleep 4; TLS_RSS_LOADED=$(rss_kib $GW_TLS); TLS_CONNS=$(ss -Htn state established '( sport = :18480 )' | wc -l)
+wait $OHA1 $OHA2 || true
+TLS_HWM=$(hwm_kib $GW_TLS)
+
+echo "== HTTP/2 and TLS pass-through"
+for r in $(seq 1 "$ROUNDS"); do
+  for t in $(in_order "$r" nginx idemgate); do
+    case $t in
+      nginx)
+        oha_run h2c nginx http://127.0.0.1:18083/pass/x --http2
+        oha_run tls-http1 nginx https://127.0.0.1:18443/pass/x --insecure
+        oha_run tls-h2 nginx https://127.0.0.1:18443/pass/x --insecure --http2 ;;
+      idemgate)
+        oha_run h2c idemgate http://127.0.0.1:18080/pass/x --http2
+        oha_run tls-http1 idemgate https://127.0.0.1:18480/pass/x --insecure
+        oha_run tls-h2 idemgate https://127.0.0.1:18480/pass/x --insecure --http2 ;;
+    esac
+  done
+done
+
 echo "== pass-through on a new connection per request (clients without keep-alive)"
 for r in $(seq 1 "$ROUNDS"); do
   for t in $(in_order "$r" nginx idemgate); do
@@ -188,7 +236,8 @@ for r in $(seq 1 "$ROUNDS"); do
     case $t in
       pass) oha_run replay idemgate-pass http://127.0.0.1:18080/pass/x ;;
       sqlite) oha_run replay idemgate-sqlite http://127.0.0.1:18080/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' ;;
-      redis-pg) oha_run replay idemgate-redis-pg http://127.0.0.1:18180/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' ;;
+      redis-pg) oha_run replay idemgate-redis-pg http://127.0.0.1:18180/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}'
+        oha_run replay idemgate-redis-pg-h2c http://127.0.0.1:18180/key/r --http2 -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' ;;
     esac
   done
 done
@@ -240,9 +289,10 @@ RSS_AFTER=$(rss_kib $GW_PG); HWM=$(hwm_kib $GW_PG)
 
 # --- the table ---------------------------------------------------------------
 mkdir -p loadtest/results
-python3 - "$RES" "$EXEC_PG" "$EXEC_SQLITE" "$RSS_BEFORE" "$RSS_AFTER" "$HWM" "$SECS" "$ROUNDS" "$CONC" > loadtest/results/latest.md <<'PY'
+python3 - "$RES" "$EXEC_PG" "$EXEC_SQLITE" "$RSS_BEFORE" "$RSS_AFTER" "$HWM" "$SECS" "$ROUNDS" "$CONC" \
+  "$TLS_RSS_IDLE" "$TLS_RSS_LOADED" "$TLS_HWM" "$TLS_CONNS" > loadtest/results/latest.md <<'PY'
 import json, sys, statistics, platform, datetime
-res, exec_pg, exec_sqlite, rss0, rss1, hwm, secs, rounds, conc = sys.argv[1:]
+res, exec_pg, exec_sqlite, rss0, rss1, hwm, secs, rounds, conc, trss0, trss1, thwm, tconns = sys.argv[1:]
 rows = [json.loads(l) for l in open(res)]
 def agg(scenario, target):
     rs = [r for r in rows if r['scenario'] == scenario and r['target'] == target]
@@ -261,8 +311,11 @@ def table(title, scenario, targets, base=None):
         p(f"| {t} | {a['rps']:,.0f} | {a['p50_ms']:.2f} | {a['p99_ms']:.2f} | {ratio} |")
     p("")
 table("Pass-through (`idempotency = \"none\"`)", "pass-through", ["upstream", "nginx", "idemgate"], "nginx")
+table("Pass-through over h2c (`oha --http2`, prior knowledge)", "h2c", ["nginx", "idemgate"], "nginx")
+table("Pass-through over TLS, HTTP/1.1", "tls-http1", ["nginx", "idemgate"], "nginx")
+table("Pass-through over TLS, h2 (ALPN)", "tls-h2", ["nginx", "idemgate"], "nginx")
 table("Pass-through, a new connection per request (`oha --disable-keepalive`)", "new-connections", ["nginx", "idemgate"], "nginx")
-table("Replay (one key, already completed)", "replay", ["idemgate-pass", "idemgate-sqlite", "idemgate-redis-pg"], "idemgate-pass")
+table("Replay (one key, already completed)", "replay", ["idemgate-pass", "idemgate-sqlite", "idemgate-redis-pg", "idemgate-redis-pg-h2c"], "idemgate-pass")
 table("First requests (a new key every request; claim durable before forwarding)", "first-requests", ["pgbench-insert", "idemgate-redis-pg", "idemgate-sqlite"], "pgbench-insert")
 table("Token flow (fetch a token, then use it; req/s = flows/s)", "token-flow", ["idemgate-sqlite", "idemgate-redis-pg"])
 p("## Duplicate storm (1000 concurrent requests, one key, upstream = demo-upstream)\n\n| store | on_concurrent | executions | statuses | p99 ms | one request alone, p99 ms |\n|---|---|---|---|---|---|")
@@ -275,6 +328,7 @@ for t, e in (("idemgate-redis-pg", exec_pg), ("idemgate-sqlite", exec_sqlite)):
         alone = f"{single[-1]['p99_ms']:.1f}" if single and mode == "wait" else ""
         p(f"| {t} | {mode} | {count} | {rs[-1]['statuses']} | {rs[-1]['p99_ms']:.1f} | {alone} |")
 p(f"\n## Memory (Redis + Postgres gateway)\n\nRSS before the storm {int(rss0)//1024} MiB, after {int(rss1)//1024} MiB, peak over the whole run {int(hwm)//1024} MiB.\n")
+p(f"## Memory with 1000 connections (TLS gateway, 500 HTTP/1.1 + 500 h2)\n\n{tconns} connections established; RSS idle {int(trss0)//1024} MiB, loaded {int(trss1)//1024} MiB, peak {int(thwm)//1024} MiB.\n")
 print("\n".join(out))
 PY
 cat loadtest/results/latest.md

@@ -27,6 +27,12 @@ const ACTIONS: &str = r#"
     methods = ["GET"]
     path = "/stats"
     upstream = "demo"
+
+    [[routes]]
+    name = "echo"
+    methods = ["GET"]
+    path = "/echo"
+    upstream = "demo"
 "#;
 
 fn key(k: &str) -> [(&str, &str); 2] {
@@ -72,6 +78,16 @@ async fn the_tls_listener_speaks_h2_and_http1_by_alpn_and_executes_once() {
     let replay_h2 = h2.send("POST", "/actions/pay", &key("tls-1"), "{}").await;
     assert_eq!(replay_h2.header("idempotent-replayed"), Some("true"));
     assert_eq!(executions(&stack, "pay"), 1);
+
+    // The upstream is told the client came over TLS, on both protocols.
+    for conn in [&mut h2, &mut h1] {
+        let echo = conn.send("GET", "/echo", &[], "").await.json();
+        assert_eq!(echo["headers"]["x-forwarded-proto"][0], "https", "{echo}");
+        assert_eq!(
+            echo["headers"]["x-forwarded-host"][0], "localhost",
+            "{echo}"
+        );
+    }
 
     // A plain-text client on the TLS port gets no answer at all.
     let plain = Http::http1()
@@ -457,5 +473,103 @@ async fn a_rapid_reset_flood_does_not_take_the_gateway_down() {
         )
         .await;
     assert_eq!(answer.status, 201);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_stream_reset_mid_request_does_not_cancel_the_outcome() {
+    let stack = Stack::start(ACTIONS).await;
+    let tcp = tokio::net::TcpStream::connect(stack.gateway.public_addr)
+        .await
+        .unwrap();
+    let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut send = send.ready().await.unwrap();
+    let request = http::Request::post(stack.url("/actions/reset"))
+        .header("idempotency-key", "reset-1")
+        .header("x-demo-delay-ms", "800")
+        .body(())
+        .unwrap();
+    let (_, mut stream) = send.send_request(request, false).unwrap();
+    stream
+        .send_data(bytes::Bytes::from_static(b"{}"), true)
+        .unwrap();
+    // The upstream is working on it when the client gives up on the stream.
+    let reached = support::eventually(Duration::from_secs(5), || async {
+        stack.upstream.state.stats().requests == 1
+    })
+    .await;
+    assert!(reached, "the request reached the upstream");
+    stream.send_reset(h2::Reason::CANCEL);
+
+    // The claim outlived its stream: a retry (this route waits for a
+    // running first request) gets the one outcome, executed once.
+    let retry = Http::h2c()
+        .send(
+            "POST",
+            &stack.url("/actions/reset"),
+            &[("idempotency-key", "reset-1")],
+            "{}",
+        )
+        .await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(executions(&stack, "reset"), 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn silent_and_half_preface_connections_are_closed_and_h2_keeps_the_limits() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stack = Stack::start_with(ACTIONS, |c| {
+        c.server.header_read_timeout = "1s".into();
+        c.server.max_body_bytes = 1024;
+    })
+    .await;
+    for opening in [&b""[..], b"PRI * HTTP/2.0\r\n"] {
+        let mut conn = tokio::net::TcpStream::connect(stack.gateway.public_addr)
+            .await
+            .unwrap();
+        conn.write_all(opening).await.unwrap();
+        let mut rest = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut rest)).await;
+        assert!(
+            matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+            "{opening:?}: the gateway closes a connection that does not speak ({closed:?})"
+        );
+    }
+    // Over h2 as over HTTP/1.1: a body over the limit is 413, not forwarded.
+    let h2 = Http::h2c();
+    let big = h2
+        .send(
+            "POST",
+            &stack.url("/actions/big"),
+            &[("idempotency-key", "big-1")],
+            vec![b'x'; 4096],
+        )
+        .await;
+    assert_eq!(big.status, 413, "{big:?}");
+    // Headers past the HTTP/2 header list limit are refused before routing.
+    let huge = "v".repeat(70 * 1024);
+    let refused = h2
+        .try_send(
+            "POST",
+            &stack.url("/actions/huge"),
+            &[("idempotency-key", "huge-1"), ("x-huge", &huge)],
+            "{}",
+        )
+        .await;
+    assert!(
+        refused.as_ref().map_or(true, |a| a.status == 431),
+        "{:?}",
+        refused.map(|a| a.status)
+    );
+    assert_eq!(
+        stack.upstream.state.stats().requests,
+        0,
+        "nothing was forwarded"
+    );
+    assert_eq!(h2.get(&stack.url("/stats")).await.status, 200);
     stack.shutdown().await;
 }

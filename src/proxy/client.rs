@@ -165,7 +165,7 @@ fn upstream_request(
 ) -> Request<Body> {
     let path = request.uri.path_and_query().map_or("/", |p| p.as_str());
     let client = request.extensions.get::<ClientAddr>();
-    let mut headers = headers::request_headers(&request.headers, client);
+    let mut headers = headers::request_headers(&request.headers, client, request.uri.authority());
     let uri = match sender {
         Sender::Http1(_) => {
             if let Ok(host) = HeaderValue::from_str(pool.authority()) {

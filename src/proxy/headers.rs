@@ -149,7 +149,14 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
 /// the gateway. `Content-Length` is left out because the client frames the
 /// body it actually sends, and `Expect` because the gateway already
 /// answered `100-continue` and sends the body without waiting.
-pub(super) fn request_headers(headers: &HeaderMap, client: Option<&ClientAddr>) -> HeaderMap {
+///
+/// `authority` is the request target's authority, which stands for `Host`
+/// on HTTP/2 (`:authority`; RFC 9113 §8.3.1) when there is no `Host`.
+pub(super) fn request_headers(
+    headers: &HeaderMap,
+    client: Option<&ClientAddr>,
+    authority: Option<&http::uri::Authority>,
+) -> HeaderMap {
     let named = connection_named(headers);
     let mut out = HeaderMap::with_capacity(headers.len() + 4);
     let mut prior_for: Vec<&[u8]> = Vec::new();
@@ -184,6 +191,8 @@ pub(super) fn request_headers(headers: &HeaderMap, client: Option<&ClientAddr>) 
     out.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     if let Some(host) = host {
         out.insert(X_FORWARDED_HOST, host.clone());
+    } else if let Some(value) = authority.and_then(|a| HeaderValue::from_str(a.as_str()).ok()) {
+        out.insert(X_FORWARDED_HOST, value);
     }
     out
 }
@@ -274,7 +283,7 @@ mod tests {
     #[test]
     fn a_tls_client_is_forwarded_as_https() {
         let client = ClientAddr::secure("127.0.0.1:9".parse().unwrap());
-        let h = request_headers(&HeaderMap::new(), Some(&client));
+        let h = request_headers(&HeaderMap::new(), Some(&client), None);
         assert_eq!(h.get(X_FORWARDED_PROTO).unwrap(), "https");
     }
 
@@ -316,7 +325,7 @@ mod tests {
         h.insert(header::UPGRADE, "websocket".parse().unwrap());
         h.insert("x-end-to-end", "kept".parse().unwrap());
         assert_eq!(
-            render(&request_headers(&h, None)),
+            render(&request_headers(&h, None, None)),
             "x-end-to-end: kept\r\nx-forwarded-proto: http\r\n"
         );
     }
@@ -332,7 +341,7 @@ mod tests {
         h.insert(header::EXPECT, "100-continue".parse().unwrap());
         let client = ClientAddr::new("127.0.0.1:9".parse().unwrap());
         assert_eq!(
-            render(&request_headers(&h, Some(&client))),
+            render(&request_headers(&h, Some(&client), None)),
             "x-forwarded-for: 10.0.0.1, 10.0.0.2, 127.0.0.1\r\n\
              x-forwarded-proto: http\r\nx-forwarded-host: shop.example\r\n"
         );
@@ -395,7 +404,7 @@ mod tests {
         h.insert(header::HOST, "shop.example".parse().unwrap());
         let client = ClientAddr::new("127.0.0.1:9".parse().unwrap());
         assert_eq!(
-            render(&request_headers(&h, Some(&client))),
+            render(&request_headers(&h, Some(&client), None)),
             "idempotency-key: ig-stable\r\nx-request-id: rid-1\r\n\
              x-forwarded-for: 127.0.0.1\r\nx-forwarded-proto: http\r\n\
              x-forwarded-host: shop.example\r\n"
@@ -413,7 +422,7 @@ mod tests {
         h.insert("x-request-id", "rid-2".parse().unwrap());
         h.insert("x-kept", "yes".parse().unwrap());
         assert_eq!(
-            render(&request_headers(&h, None)),
+            render(&request_headers(&h, None, None)),
             "x-request-id: rid-2\r\nx-kept: yes\r\nx-forwarded-proto: http\r\n"
         );
     }

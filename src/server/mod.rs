@@ -128,6 +128,11 @@ async fn sniff(stream: &tokio::net::TcpStream, within: Duration) -> Option<Proto
     let deadline = tokio::time::Instant::now() + within;
     let mut seen = [0u8; 24];
     loop {
+        // (`timeout_at` polls the peek first, which would answer with the
+        // same partial preface forever once the deadline has passed.)
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
         let n = tokio::time::timeout_at(deadline, stream.peek(&mut seen))
             .await
             .ok()?
