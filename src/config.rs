@@ -964,7 +964,7 @@ fn check_upstream_tls(
         ("client_cert", &u.client_cert),
         ("client_key", &u.client_key),
     ];
-    if !u.url.starts_with("https://") {
+    if !u.url.to_ascii_lowercase().starts_with("https://") {
         return match fields.iter().find(|(_, v)| v.is_some()) {
             Some((field, _)) => Err((
                 key(field),

@@ -244,7 +244,7 @@ fn print_endpoints(config: &Config) {
         "UPSTREAM", "URL", "SCHEME", "PROTOCOL"
     );
     for u in &config.upstreams {
-        let https = u.url.starts_with("https://");
+        let https = u.url.to_ascii_lowercase().starts_with("https://");
         let protocol = match (u.http2, https) {
             (false, _) => "HTTP/1.1",
             (true, true) => "h2",

@@ -161,7 +161,16 @@ pub fn client_config(
 /// untrusted or invalid certificate, a protocol mismatch), not the network
 /// failing under it.
 pub fn is_tls_refusal(e: &io::Error) -> bool {
-    e.get_ref()
+    e.get_ref().is_some_and(|inner| is_rustls_error(inner))
+}
+
+/// Whether `e` is rustls refusing the peer, or an I/O error carrying that.
+pub fn is_rustls_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    if e.downcast_ref::<rustls::Error>().is_some() {
+        return true;
+    }
+    e.downcast_ref::<io::Error>()
+        .and_then(|io| io.get_ref())
         .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some())
 }
 

@@ -282,6 +282,19 @@ async fn mutual_tls_presents_the_client_certificate() {
         .send("POST", &without.url("/actions/mtls"), &key("mtls-2"), "{}")
         .await;
     assert_eq!(refused.status, 502, "{refused:?}");
+    // Over TLS 1.3 the refusal arrives after the client's handshake ended,
+    // as an alert on the first read: still "nothing was sent", so the claim
+    // is released (a retry is refused the same way, never "uncertain").
+    assert_eq!(refused.problem_type(), "urn:idemgate:problem:upstream-tls");
+    let again = without
+        .http
+        .send("POST", &without.url("/actions/mtls"), &key("mtls-2"), "{}")
+        .await;
+    assert_eq!(
+        again.problem_type(),
+        "urn:idemgate:problem:upstream-tls",
+        "{again:?}"
+    );
     assert_eq!(
         executions(&without, "mtls"),
         0,
@@ -314,6 +327,29 @@ async fn http2_upstreams_over_tls_alpn_and_prior_knowledge() {
         "every request over h2"
     );
     tls.shutdown().await;
+
+    // An upstream that ignores the h2 offer is refused before anything is
+    // sent, never spoken to in a protocol it did not agree to.
+    let http1_only = https_pair(
+        &pki,
+        pki.upstream_config(false, false, &[]),
+        |u| u.http2 = true,
+        None,
+    )
+    .await;
+    let refused = http1_only
+        .http
+        .send(
+            "POST",
+            &http1_only.url("/actions/h2no"),
+            &key("h2-no"),
+            "{}",
+        )
+        .await;
+    assert_eq!(refused.status, 502, "{refused:?}");
+    assert_eq!(refused.problem_type(), "urn:idemgate:problem:upstream-tls");
+    assert_eq!(http1_only.upstream.state.stats().requests, 0);
+    http1_only.shutdown().await;
 
     let plain = Stack::start_with(ACTIONS, |c| c.upstreams[0].http2 = true).await;
     let answers = support::concurrent_posts(

@@ -74,19 +74,25 @@ pub(super) async fn send(
     if exact.is_some_and(|len| len > limit) {
         return Err(SendError::BodyTooLarge);
     }
-    let fault = Arc::new(AtomicU8::new(FAULT_NONE));
+    // Only a streamed body can fail on the client's side mid-request.
+    let mut fault = None;
     let body = match exact {
+        Some(0) => Body::empty(),
         Some(len) if len <= BUFFERED_BODY_BYTES => Body::from(collect_exact(body, len).await?),
-        _ => Body::new(Counted {
-            inner: body,
-            sent: 0,
-            declared: exact,
-            limit,
-            fault: fault.clone(),
-        }),
+        _ => {
+            let shared = Arc::new(AtomicU8::new(FAULT_NONE));
+            fault = Some(shared.clone());
+            Body::new(Counted {
+                inner: body,
+                sent: 0,
+                declared: exact,
+                limit,
+                fault: shared,
+            })
+        }
     };
     let mut checked = pool.checkout().await?;
-    let outgoing = upstream_request(pool, &request, body, exact, &checked.sender);
+    let outgoing = upstream_request(pool, request, body, exact, &checked.sender);
     let answer = match try_send(&mut checked.sender, outgoing).await {
         Err(Failed::Unsent(outgoing)) if checked.reused => {
             // The pooled connection closed before the request was written:
@@ -110,11 +116,13 @@ pub(super) async fn send(
             ));
         }
         Err(Failed::Error(e)) => {
-            return Err(match fault.load(Ordering::Acquire) {
-                FAULT_TOO_LARGE => SendError::BodyTooLarge,
-                FAULT_CLIENT => SendError::RequestBody(e.to_string()),
-                _ => SendError::Broken(e.to_string()),
-            });
+            return Err(
+                match fault.map_or(FAULT_NONE, |f| f.load(Ordering::Acquire)) {
+                    FAULT_TOO_LARGE => SendError::BodyTooLarge,
+                    FAULT_CLIENT => SendError::RequestBody(e.to_string()),
+                    _ => classify(&e, checked.reused),
+                },
+            );
         }
     };
     let (mut parts, incoming) = response.into_parts();
@@ -131,6 +139,35 @@ pub(super) async fn send(
         parts,
         Body::new(PooledBody::new(incoming, home)),
     ))
+}
+
+/// What a hyper error after the request was handed over means.
+///
+/// - TLS refused on a fresh connection: over TLS 1.3 the client's
+///   handshake ends before the server has checked the client certificate,
+///   so a refused certificate arrives as an alert on the first read. The
+///   server never accepted the connection, so nothing was processed.
+/// - HTTP/2 `REFUSED_STREAM` on the stream: the upstream says it did not
+///   process it (RFC 9113 §8.7). (A stream cut by `GOAWAY` is not told
+///   apart: h2 gives the streams above the last processed id the same
+///   error as the ones a failing connection abandons mid-work.)
+/// - Anything else: the request may have been processed.
+fn classify(e: &hyper::Error, reused: bool) -> SendError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if !reused && crate::tls::is_rustls_error(cause) {
+            return SendError::Tls(e.to_string());
+        }
+        if let Some(h2) = cause.downcast_ref::<h2::Error>()
+            && h2.is_reset()
+            && h2.is_remote()
+            && h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+        {
+            return SendError::Connect(format!("the upstream did not process the stream: {h2}"));
+        }
+        source = cause.source();
+    }
+    SendError::Broken(e.to_string())
 }
 
 enum Failed {
@@ -155,39 +192,50 @@ async fn try_send(
 
 /// The request as the upstream gets it: origin-form with `Host` set to the
 /// upstream over HTTP/1.1, absolute-form (`:scheme`, `:authority`) over
-/// HTTP/2; the client's headers filtered; the body framed by its length.
+/// HTTP/2; the client's headers filtered in place; the body framed by its
+/// length.
 fn upstream_request(
     pool: &Pool,
-    request: &Parts,
+    request: Parts,
     body: Body,
     exact: Option<u64>,
     sender: &Sender,
 ) -> Request<Body> {
-    let path = request.uri.path_and_query().map_or("/", |p| p.as_str());
-    let client = request.extensions.get::<ClientAddr>();
-    let mut headers = headers::request_headers(&request.headers, client, request.uri.authority());
-    let uri = match sender {
-        Sender::Http1(_) => {
-            if let Ok(host) = HeaderValue::from_str(pool.authority()) {
-                headers.insert(header::HOST, host);
-            }
-            Uri::try_from(path)
-        }
-        Sender::Http2(_) => {
-            let scheme = if pool.is_tls() { "https" } else { "http" };
-            Uri::try_from(format!("{scheme}://{}{path}", pool.authority()))
-        }
+    let Parts {
+        method,
+        uri,
+        mut headers,
+        extensions,
+        ..
+    } = request;
+    let target = pool.target();
+    let http1 = matches!(sender, Sender::Http1(_));
+    headers::filter_request_headers(
+        &mut headers,
+        extensions.get::<ClientAddr>(),
+        uri.authority(),
+        http1.then(|| target.host.clone()),
+    );
+    let mut parts = http::uri::Parts::default();
+    parts.path_and_query = Some(
+        uri.into_parts()
+            .path_and_query
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+    );
+    if !http1 {
+        parts.scheme = Some(target.scheme.clone());
+        parts.authority = Some(target.authority.clone());
     }
-    .unwrap_or_else(|_| Uri::from_static("/"));
+    let uri = Uri::from_parts(parts).unwrap_or_else(|_| Uri::from_static("/"));
     match exact {
-        Some(0) if !expects_body(&request.method) => {}
+        Some(0) if !expects_body(&method) => {}
         Some(len) => {
             headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
         }
         None => {} // hyper frames it chunked (HTTP/1.1) or by DATA frames
     }
     let mut outgoing = Request::new(body);
-    *outgoing.method_mut() = request.method.clone();
+    *outgoing.method_mut() = method;
     *outgoing.uri_mut() = uri;
     *outgoing.headers_mut() = headers;
     outgoing

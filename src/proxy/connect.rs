@@ -19,9 +19,14 @@ use tokio::net::TcpStream;
 
 use crate::tls::{self, Stream};
 
-/// How long opening a connection may take at most (every resolved address,
-/// the TLS handshake and the HTTP/2 preface).
+/// How long opening a connection may take at most (every resolved address
+/// and the TLS handshake).
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often an HTTP/2 upstream connection is pinged, and how long the
+/// answer may take before the connection is closed.
+const H2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const H2_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The byte stream under an upstream connection.
 pub(super) type UpstreamStream = Stream<tokio_rustls::client::TlsStream<TcpStream>>;
@@ -89,10 +94,26 @@ impl Connector {
             .map_err(|_| {
                 ConnectError::Io(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
             })??;
+        if self.http2
+            && let Stream::Tls(tls) = &io
+            && tls.get_ref().1.alpn_protocol() != Some(tls::ALPN_H2)
+        {
+            // Only h2 was offered; an upstream that ignored ALPN speaks
+            // something else, and nothing has been sent yet.
+            return Err(ConnectError::Tls(io::Error::other(
+                "http2 = true, but the upstream did not agree to h2 over ALPN",
+            )));
+        }
         let io = TokioIo::new(io);
         if self.http2 {
             let (sender, connection) = http2::Builder::new(TokioExecutor::new())
                 .timer(TokioTimer::new())
+                // A frozen upstream or a silent partition closes the shared
+                // connection instead of swallowing every request for as
+                // long as TCP keeps retransmitting.
+                .keep_alive_interval(H2_KEEP_ALIVE_INTERVAL)
+                .keep_alive_timeout(H2_KEEP_ALIVE_TIMEOUT)
+                .keep_alive_while_idle(true)
                 .handshake(io)
                 .await
                 .map_err(ConnectError::Handshake)?;

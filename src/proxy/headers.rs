@@ -139,62 +139,87 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
-/// The request's headers as the upstream gets them, built from the
-/// client's header map in one pass (no removals): hop-by-hop headers and
-/// those `Connection` names are left out (never the gateway's own
-/// `Idempotency-Key`, `X-Request-Id` or `X-Forwarded-*`, whatever
-/// `Connection` lists); the client is appended to `X-Forwarded-For`;
-/// `Host` becomes `X-Forwarded-Host` (the client sets `Host` to the
-/// upstream's authority); `X-Forwarded-Proto` is how the client reached
-/// the gateway. `Content-Length` is left out because the client frames the
-/// body it actually sends, and `Expect` because the gateway already
+/// Turns the client's headers into the upstream's, in place (the map is
+/// the request's own; rebuilding it would cost a copy per header): the
+/// hop-by-hop headers and those `Connection` names go (never the gateway's
+/// own `Idempotency-Key`, `X-Request-Id` or `X-Forwarded-*`, whatever
+/// `Connection` lists); `Host` becomes `upstream_host` over HTTP/1.1 (and
+/// goes over HTTP/2, where `:authority` names the upstream), and the
+/// client's `Host` moves to `X-Forwarded-Host` (`authority`, the request
+/// target's, stands for it on HTTP/2: RFC 9113 §8.3.1); the client is
+/// appended to `X-Forwarded-For`; `X-Forwarded-Proto` is how the client
+/// reached the gateway. `Content-Length` goes because the client frames
+/// the body it actually sends, and `Expect` because the gateway already
 /// answered `100-continue` and sends the body without waiting.
-///
-/// `authority` is the request target's authority, which stands for `Host`
-/// on HTTP/2 (`:authority`; RFC 9113 §8.3.1) when there is no `Host`.
-pub(super) fn request_headers(
-    headers: &HeaderMap,
+pub(super) fn filter_request_headers(
+    headers: &mut HeaderMap,
     client: Option<&ClientAddr>,
     authority: Option<&http::uri::Authority>,
-) -> HeaderMap {
+    upstream_host: Option<HeaderValue>,
+) {
     let named = connection_named(headers);
-    let mut out = HeaderMap::with_capacity(headers.len() + 4);
-    let mut prior_for: Vec<&[u8]> = Vec::new();
-    let mut host: Option<&HeaderValue> = None;
-    for (name, value) in headers {
-        if *name == header::HOST {
-            host.get_or_insert(value);
-        } else if *name == X_FORWARDED_FOR {
-            prior_for.push(value.as_bytes());
-        } else if !(*name == header::CONTENT_LENGTH
+    let dropped = |name: &HeaderName| {
+        *name == header::CONTENT_LENGTH
             || *name == header::EXPECT
-            || *name == X_FORWARDED_HOST
-            || *name == X_FORWARDED_PROTO
             || is_hop_by_hop(name)
-            || named.contains(name))
-        {
-            out.append(name.clone(), value.clone());
+            || named.contains(name)
+    };
+    // One pass of tag comparisons; a hashed removal only for what is there.
+    if headers.keys().any(dropped) {
+        let doomed: Vec<HeaderName> = headers.keys().filter(|n| dropped(n)).cloned().collect();
+        for name in &doomed {
+            headers.remove(name);
         }
     }
-    if let Some(client) = client {
-        prior_for.retain(|v| !v.trim_ascii().is_empty());
-        prior_for.push(client.ip_text.as_bytes());
+    // HTTP/2 splits cookies into crumbs; an HTTP/1.1 upstream must get
+    // them as one header (RFC 9113 §8.2.3).
+    if upstream_host.is_some()
+        && let http::header::Entry::Occupied(mut cookies) = headers.entry(header::COOKIE)
+        && cookies.iter().nth(1).is_some()
+    {
+        let crumbs: Vec<HeaderValue> = cookies.iter().cloned().collect();
+        let mut text = Vec::new();
+        for (i, crumb) in crumbs.iter().enumerate() {
+            if i > 0 {
+                text.extend_from_slice(b"; ");
+            }
+            text.extend_from_slice(crumb.as_bytes());
+        }
+        if let Ok(one) = HeaderValue::from_bytes(&text) {
+            cookies.insert(one);
+        }
     }
-    if !prior_for.is_empty() {
-        out.insert(X_FORWARDED_FOR, joined(&prior_for));
-    }
+    let client_host = match upstream_host {
+        Some(host) => headers.insert(header::HOST, host),
+        None => headers.remove(header::HOST),
+    };
+    match client_host.or_else(|| authority.and_then(|a| HeaderValue::from_str(a.as_str()).ok())) {
+        Some(host) => headers.insert(X_FORWARDED_HOST, host),
+        None => headers.remove(X_FORWARDED_HOST),
+    };
     let proto = if client.is_some_and(|c| c.secure) {
         "https"
     } else {
         "http"
     };
-    out.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-    if let Some(host) = host {
-        out.insert(X_FORWARDED_HOST, host.clone());
-    } else if let Some(value) = authority.and_then(|a| HeaderValue::from_str(a.as_str()).ok()) {
-        out.insert(X_FORWARDED_HOST, value);
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
+    if let Some(client) = client {
+        match headers.entry(X_FORWARDED_FOR) {
+            http::header::Entry::Vacant(entry) => {
+                entry.insert(client.ip_text.clone());
+            }
+            http::header::Entry::Occupied(mut entry) => {
+                let mut prior: Vec<HeaderValue> = entry
+                    .iter()
+                    .filter(|v| !v.as_bytes().trim_ascii().is_empty())
+                    .cloned()
+                    .collect();
+                prior.push(client.ip_text.clone());
+                let parts: Vec<&[u8]> = prior.iter().map(HeaderValue::as_bytes).collect();
+                entry.insert(joined(&parts));
+            }
+        }
     }
-    out
 }
 
 /// Several header values as one, joined with `, `.
@@ -257,12 +282,27 @@ pub(super) fn strip_response_headers(headers: &mut HeaderMap) -> Result<(), Stri
 mod tests {
     use super::*;
 
-    /// Header lines as they would be written.
+    /// Header lines, sorted (the order of distinct names carries no
+    /// meaning).
     fn render(headers: &HeaderMap) -> String {
-        headers
+        let mut lines: Vec<String> = headers
             .iter()
             .map(|(name, value)| format!("{name}: {}\r\n", value.to_str().unwrap()))
-            .collect()
+            .collect();
+        lines.sort();
+        lines.concat()
+    }
+
+    /// The upstream's headers for a client's, over HTTP/1.1 without the
+    /// `Host` line (the upstream's authority).
+    fn request_headers(
+        h: &HeaderMap,
+        client: Option<&ClientAddr>,
+        authority: Option<&http::uri::Authority>,
+    ) -> HeaderMap {
+        let mut h = h.clone();
+        filter_request_headers(&mut h, client, authority, None);
+        h
     }
 
     #[test]
@@ -278,6 +318,17 @@ mod tests {
         let mut gzip = HeaderMap::new();
         gzip.insert(header::TRANSFER_ENCODING, "gzip, chunked".parse().unwrap());
         assert!(strip_response_headers(&mut gzip).is_err());
+    }
+
+    #[test]
+    fn http2_cookie_crumbs_reach_an_http1_upstream_as_one_header() {
+        let mut h = HeaderMap::new();
+        h.append(header::COOKIE, "a=1".parse().unwrap());
+        h.append(header::COOKIE, "b=2".parse().unwrap());
+        filter_request_headers(&mut h, None, None, Some(HeaderValue::from_static("up:1")));
+        let cookies: Vec<_> = h.get_all(header::COOKIE).iter().collect();
+        assert_eq!(cookies, ["a=1; b=2"]);
+        assert_eq!(h.get(header::HOST).unwrap(), "up:1");
     }
 
     #[test]
@@ -343,7 +394,7 @@ mod tests {
         assert_eq!(
             render(&request_headers(&h, Some(&client), None)),
             "x-forwarded-for: 10.0.0.1, 10.0.0.2, 127.0.0.1\r\n\
-             x-forwarded-proto: http\r\nx-forwarded-host: shop.example\r\n"
+             x-forwarded-host: shop.example\r\nx-forwarded-proto: http\r\n"
         );
     }
 
@@ -405,9 +456,9 @@ mod tests {
         let client = ClientAddr::new("127.0.0.1:9".parse().unwrap());
         assert_eq!(
             render(&request_headers(&h, Some(&client), None)),
-            "idempotency-key: ig-stable\r\nx-request-id: rid-1\r\n\
-             x-forwarded-for: 127.0.0.1\r\nx-forwarded-proto: http\r\n\
-             x-forwarded-host: shop.example\r\n"
+            "idempotency-key: ig-stable\r\nx-forwarded-for: 127.0.0.1\r\n\
+             x-forwarded-host: shop.example\r\nx-forwarded-proto: http\r\n\
+             x-request-id: rid-1\r\n"
         );
     }
 
@@ -423,7 +474,7 @@ mod tests {
         h.insert("x-kept", "yes".parse().unwrap());
         assert_eq!(
             render(&request_headers(&h, None, None)),
-            "x-request-id: rid-2\r\nx-kept: yes\r\nx-forwarded-proto: http\r\n"
+            "x-forwarded-proto: http\r\nx-kept: yes\r\nx-request-id: rid-2\r\n"
         );
     }
 }

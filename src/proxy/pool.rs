@@ -40,8 +40,19 @@ pub(super) struct Checked {
     pub(super) reused: bool,
 }
 
+/// How requests name the upstream: computed once, cloned (a reference
+/// count) per request.
+pub(super) struct Target {
+    /// `Host` over HTTP/1.1.
+    pub(super) host: http::HeaderValue,
+    /// `:scheme` and `:authority` over HTTP/2.
+    pub(super) scheme: http::uri::Scheme,
+    pub(super) authority: http::uri::Authority,
+}
+
 /// The connections to one upstream.
 pub struct Pool {
+    target: Target,
     connector: Connector,
     idle: Mutex<Vec<Idle>>,
     shared_h2: Mutex<Option<http2::SendRequest<Body>>>,
@@ -86,7 +97,20 @@ impl Pool {
         let timeout = options
             .connect_timeout
             .unwrap_or(super::connect::CONNECT_TIMEOUT);
+        let target = Target {
+            host: http::HeaderValue::from_str(&authority)
+                .unwrap_or_else(|_| http::HeaderValue::from_static("localhost")),
+            scheme: if options.tls.is_some() {
+                http::uri::Scheme::HTTPS
+            } else {
+                http::uri::Scheme::HTTP
+            },
+            authority: authority
+                .parse()
+                .unwrap_or_else(|_| http::uri::Authority::from_static("localhost")),
+        };
         let pool = Arc::new(Pool {
+            target,
             connector: Connector::new(authority, options.tls, options.http2, timeout),
             idle: Mutex::new(Vec::new()),
             shared_h2: Mutex::new(None),
@@ -102,9 +126,9 @@ impl Pool {
         self.connector.authority()
     }
 
-    /// Whether requests travel over TLS.
-    pub(super) fn is_tls(&self) -> bool {
-        self.connector.is_tls()
+    /// How requests name the upstream.
+    pub(super) fn target(&self) -> &Target {
+        &self.target
     }
 
     /// A sender ready for a request: a pooled idle one, or a new connection.

@@ -127,6 +127,7 @@ enum Protocol {
 async fn sniff(stream: &tokio::net::TcpStream, within: Duration) -> Option<Protocol> {
     let deadline = tokio::time::Instant::now() + within;
     let mut seen = [0u8; 24];
+    let mut pause = SNIFF_RETRY;
     loop {
         // (`timeout_at` polls the peek first, which would answer with the
         // same partial preface forever once the deadline has passed.)
@@ -147,13 +148,16 @@ async fn sniff(stream: &tokio::net::TcpStream, within: Duration) -> Option<Proto
             return Some(Protocol::Http2);
         }
         // Part of the preface so far: wait for the rest (peek would see
-        // the same bytes again at once).
-        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + SNIFF_RETRY)).await;
+        // the same bytes again at once), backing off so that a client
+        // dribbling a preface costs a few wake-ups, not hundreds.
+        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + pause)).await;
+        pause = (pause * 2).min(SNIFF_RETRY_MAX);
     }
 }
 
-/// Pause between peeks at a partial HTTP/2 preface.
-const SNIFF_RETRY: Duration = Duration::from_millis(5);
+/// First and longest pause between peeks at a partial HTTP/2 preface.
+const SNIFF_RETRY: Duration = Duration::from_millis(2);
+const SNIFF_RETRY_MAX: Duration = Duration::from_millis(200);
 
 /// What a served connection runs over.
 type ServerStream = crate::tls::Stream<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>;
