@@ -7,10 +7,14 @@
 //!
 //! - [`config`]: the TOML file, environment overrides, validation.
 //! - [`gateway`]: assembly — one tower stack per route, listeners, shutdown.
-//! - [`server`]: the accept loop, connection hardening, graceful drain.
+//! - [`server`]: the accept loop, TLS, the choice of HTTP/1.1 or HTTP/2 per
+//!   connection, connection hardening, graceful drain.
+//! - [`tls`]: PEM files, rustls configurations for both sides, the
+//!   plain-or-TLS stream.
 //! - [`router`]: path and method matching; counts and logs every request.
-//! - [`proxy`]: the streaming proxy (its own HTTP/1.1 upstream codec and
-//!   per-worker keep-alive pool), the innermost service of a route.
+//! - [`proxy`]: the streaming proxy (hyper's HTTP/1.1 and HTTP/2 client,
+//!   plain or TLS, under a per-worker keep-alive pool), the innermost
+//!   service of a route.
 //! - [`store`]: the SQL record (truth) behind a Redis or in-process fast
 //!   layer; claims, fencing, retention.
 //! - [`identity`]: the client scope every record is keyed by.
