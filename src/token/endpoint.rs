@@ -74,8 +74,11 @@ impl TokenEndpoint {
             .into_response();
         }
         let scope = scope_of(req.headers(), &self.identity_header);
-        let now = crate::store::now_ms() / 1000;
-        let expires_at = now + self.ttl.as_secs() as i64;
+        // Tokens carry whole seconds; rounding the expiry up keeps every
+        // token valid for at least its full ttl (truncating could take up
+        // to a second off it, all of a one-second ttl).
+        let expires_ms = crate::store::now_ms() + self.ttl.as_millis() as i64;
+        let expires_at = (expires_ms + 999).div_euclid(1000);
         let (token, _) = self.keys.issue(route.as_deref(), &scope, expires_at);
         let expires = time::OffsetDateTime::from_unix_timestamp(expires_at)
             .ok()
