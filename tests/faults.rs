@@ -3,6 +3,8 @@
 
 mod support;
 
+use std::os::unix::process::CommandExt;
+
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -547,6 +549,10 @@ async fn an_instance_whose_clock_runs_ahead_cannot_take_over_a_live_claim() {
         .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
+        // `faketime` forks the gateway and waits for it: killing faketime
+        // alone would leave the gateway running, so B gets a process
+        // group of its own and the whole group is killed.
+        .process_group(0)
         .spawn()
         .unwrap();
     wait_up(&http, &format!("http://127.0.0.1:{b_port}/")).await;
@@ -588,7 +594,9 @@ async fn an_instance_whose_clock_runs_ahead_cannot_take_over_a_live_claim() {
         1
     );
     a.kill().unwrap();
-    b.kill().unwrap();
+    let _ = Command::new("kill")
+        .args(["-s", "KILL", "--", &format!("-{}", b.id())])
+        .status();
     let _ = (a.wait(), b.wait());
     upstream.shutdown().await;
 }

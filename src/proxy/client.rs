@@ -128,9 +128,8 @@ pub(super) async fn send(
     let (mut parts, incoming) = response.into_parts();
     // Both framings at once: the answer was read as chunked, but a
     // connection whose peer frames ambiguously is not trusted again.
-    let ambiguous = parts.headers.contains_key(header::TRANSFER_ENCODING)
-        && parts.headers.contains_key(header::CONTENT_LENGTH);
-    headers::strip_response_headers(&mut parts.headers).map_err(SendError::Broken)?;
+    let ambiguous =
+        headers::strip_response_headers(&mut parts.headers).map_err(SendError::Broken)?;
     let home = match checked.sender {
         Sender::Http1(sender) if !ambiguous => Some((sender, pool.clone())),
         _ => None,

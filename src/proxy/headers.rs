@@ -173,7 +173,10 @@ pub(super) fn filter_request_headers(
     }
     // HTTP/2 splits cookies into crumbs; an HTTP/1.1 upstream must get
     // them as one header (RFC 9113 §8.2.3).
+    // (`len() > keys_len()` says some name has several values: free to
+    // check, where looking cookies up would hash on every request.)
     if upstream_host.is_some()
+        && headers.len() > headers.keys_len()
         && let http::header::Entry::Occupied(mut cookies) = headers.entry(header::COOKIE)
         && cookies.iter().nth(1).is_some()
     {
@@ -245,37 +248,67 @@ fn joined(values: &[&[u8]]) -> HeaderValue {
 /// transfer coding other than `chunked` (hyper has removed the chunking)
 /// is refused: the coding is hop-by-hop, so relaying the bytes without it
 /// would hand the client a body it cannot read, and no client asked for
-/// one (nginx refuses it too).
-pub(super) fn strip_response_headers(headers: &mut HeaderMap) -> Result<(), String> {
-    for coding in headers.get_all(header::TRANSFER_ENCODING) {
-        let text = coding.to_str().unwrap_or("?");
-        if text
-            .split(',')
-            .map(str::trim)
-            .any(|c| !c.eq_ignore_ascii_case("chunked"))
-        {
-            return Err(format!("the upstream sent Transfer-Encoding: {text}"));
+/// one (nginx refuses it too). Returns whether the answer was framed two
+/// ways (`Transfer-Encoding` and `Content-Length`), whose connection is not
+/// trusted again.
+///
+/// One pass over the names (tag comparisons) decides what to do; hashed
+/// removals happen only for headers that are there. Nearly every upstream
+/// sends `Connection: keep-alive`, so this runs on nearly every answer.
+pub(super) fn strip_response_headers(headers: &mut HeaderMap) -> Result<bool, String> {
+    let (mut chunked, mut length, mut hops) = (false, false, 0usize);
+    for name in headers.keys() {
+        if *name == header::TRANSFER_ENCODING {
+            chunked = true;
+        } else if *name == header::CONTENT_LENGTH {
+            length = true;
+        }
+        if is_hop_by_hop(name) {
+            hops += 1;
         }
     }
-    if headers.contains_key(header::TRANSFER_ENCODING) {
-        // The chunking decided the length (RFC 9112 §6.3); a length beside
-        // it would misframe the answer to the client.
-        headers.remove(header::CONTENT_LENGTH);
+    if chunked {
+        for coding in headers.get_all(header::TRANSFER_ENCODING) {
+            let text = coding.to_str().unwrap_or("?");
+            if text
+                .split(',')
+                .map(str::trim)
+                .any(|c| !c.eq_ignore_ascii_case("chunked"))
+            {
+                return Err(format!("the upstream sent Transfer-Encoding: {text}"));
+            }
+        }
+        if length {
+            // The chunking decided the length (RFC 9112 §6.3); a length
+            // beside it would misframe the answer to the client.
+            headers.remove(header::CONTENT_LENGTH);
+        }
     }
-    if !headers.keys().any(is_hop_by_hop) {
-        return Ok(());
+    if hops == 0 {
+        return Ok(chunked && length);
     }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
-        .collect();
-    for name in HOP_BY_HOP.iter().chain(&named) {
+    let mut doomed: Vec<HeaderName> = Vec::with_capacity(hops);
+    for value in headers.get_all(header::CONNECTION) {
+        let Ok(text) = value.to_str() else { continue };
+        for token in text.split(',').map(str::trim) {
+            // The options are not header names (`keep-alive` is removed
+            // as hop-by-hop anyway); parsing them would allocate a name.
+            if token.is_empty()
+                || token.eq_ignore_ascii_case("close")
+                || token.eq_ignore_ascii_case("keep-alive")
+            {
+                continue;
+            }
+            if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
+                doomed.push(name);
+            }
+        }
+    }
+    doomed.extend(headers.keys().filter(|n| is_hop_by_hop(n)).cloned());
+    for name in &doomed {
         headers.remove(name);
     }
-    Ok(())
+    Ok(chunked && length)
 }
 
 #[cfg(test)]
@@ -313,8 +346,16 @@ mod tests {
         h.insert("keep-alive", "timeout=5".parse().unwrap());
         h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
         h.insert("x-kept", "yes".parse().unwrap());
-        strip_response_headers(&mut h).unwrap();
+        assert!(!strip_response_headers(&mut h).unwrap());
         assert_eq!(render(&h), "x-kept: yes\r\n");
+        let mut both = HeaderMap::new();
+        both.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        both.insert(header::CONTENT_LENGTH, "99".parse().unwrap());
+        assert!(
+            strip_response_headers(&mut both).unwrap(),
+            "framed two ways"
+        );
+        assert!(both.is_empty());
         let mut gzip = HeaderMap::new();
         gzip.insert(header::TRANSFER_ENCODING, "gzip, chunked".parse().unwrap());
         assert!(strip_response_headers(&mut gzip).is_err());
