@@ -124,7 +124,18 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    // Built once for every worker: an https upstream's TLS settings read
+    // their PEM files (and the system roots) here, not once per worker.
+    let mut upstreams = std::collections::HashMap::new();
+    for u in &config.upstreams {
+        let upstream = Upstream::from_config(u).map_err(|reason| StartError::Route {
+            route: format!("upstream {}", u.name),
+            reason,
+        })?;
+        upstreams.insert(u.name.clone(), Arc::new(upstream));
+    }
     let shared = Arc::new(Shared {
+        upstreams,
         config: config.clone(),
         metrics: metrics.clone(),
         store: store.clone(),
@@ -260,6 +271,8 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
 
 /// What every worker thread builds its route stacks from.
 struct Shared {
+    /// Every upstream by name, TLS settings loaded.
+    upstreams: std::collections::HashMap<String, Arc<Upstream>>,
     config: Config,
     metrics: Arc<Metrics>,
     /// The main runtime's store (admin, sweeper); workers open their own.
@@ -396,17 +409,13 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
         .filter(|r| r.kind == RouteKind::Sync && r.idempotency() == Idempotency::Token)
         .map(|r| r.name.clone())
         .collect();
-    let mut upstreams = std::collections::HashMap::new();
-    for u in &config.upstreams {
-        let upstream = Upstream::from_config(u).map_err(|reason| StartError::Route {
-            route: format!("upstream {}", u.name),
-            reason,
-        })?;
-        // One pool per upstream per call: each worker builds its own router,
-        // so connections never leave the thread that drives them.
-        let pool = upstream.pool();
-        upstreams.insert(u.name.clone(), (Arc::new(upstream), pool));
-    }
+    // One pool per upstream per call: each worker builds its own router,
+    // so connections never leave the thread that drives them.
+    let upstreams: std::collections::HashMap<&str, (Arc<Upstream>, _)> = shared
+        .upstreams
+        .iter()
+        .map(|(name, upstream)| (name.as_str(), (upstream.clone(), upstream.pool())))
+        .collect();
     let mut routes = Vec::with_capacity(config.routes.len());
     for r in &config.routes {
         let fail = |reason: String| StartError::Route {
@@ -414,7 +423,7 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
             reason,
         };
         let (upstream, pool) = upstreams
-            .get(&r.upstream)
+            .get(r.upstream.as_str())
             .cloned()
             .ok_or_else(|| fail(format!("unknown upstream {:?}", r.upstream)))?;
         let proxy = Proxy::new(
