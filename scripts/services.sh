@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes sure the services the service-backed tests use are up: PostgreSQL on
-# 127.0.0.1:5432 (database `test`, user `postgres`) and Redis on
-# 127.0.0.1:6379, and that the faketime tool is installed. Starts each one that is installed but down. Never fails by
+# 127.0.0.1:5432 (database `test`, user `postgres`), Redis on
+# 127.0.0.1:6379, RabbitMQ on 127.0.0.1:5672 (guest/guest), NATS with
+# JetStream on 127.0.0.1:4222, and that the faketime tool is installed. Starts each one that is installed but down. Never fails by
 # itself: a service that cannot be started makes its tests skip loudly (or
 # fail, with CI=true).
 set -u
@@ -36,6 +37,20 @@ if redis_up; then
 else
   echo "services: Redis NOT available on 127.0.0.1:6379"
 fi
+tcp_up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+if ! tcp_up 5672 && command -v rabbitmq-server >/dev/null 2>&1; then
+  echo "services: starting RabbitMQ"
+  setsid nohup rabbitmq-server >/tmp/rabbitmq-server.log 2>&1 < /dev/null &
+  for _ in $(seq 1 60); do tcp_up 5672 && break; sleep 0.5; done
+fi
+tcp_up 5672 && echo "services: RabbitMQ up" || echo "services: RabbitMQ NOT available on 127.0.0.1:5672"
+if ! tcp_up 4222 && command -v nats-server >/dev/null 2>&1; then
+  echo "services: starting NATS (JetStream)"
+  mkdir -p /tmp/nats-js
+  setsid nohup nats-server -js -a 127.0.0.1 -p 4222 -sd /tmp/nats-js >/tmp/nats-server.log 2>&1 < /dev/null &
+  for _ in $(seq 1 30); do tcp_up 4222 && break; sleep 0.2; done
+fi
+tcp_up 4222 && echo "services: NATS up" || echo "services: NATS NOT available on 127.0.0.1:4222"
 # faketime runs a gateway with its wall clock moved (the clock-skew test).
 if ! command -v faketime >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "services: installing faketime"

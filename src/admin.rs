@@ -50,8 +50,22 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         Some(Ok(())) => "ok".to_owned(),
         Some(Err(e)) => format!("degraded: {e}"),
     };
+    // A consumer's broker is reported, not required: the HTTP routes do
+    // not depend on it, and a load balancer must not take them away.
+    let consumers: serde_json::Map<String, serde_json::Value> = state
+        .metrics
+        .consumers()
+        .map(|(name, counters)| {
+            let broker = match counters.broker_state() {
+                Ok(()) => "connected".to_owned(),
+                Err(why) => format!("disconnected: {why}"),
+            };
+            (name.to_owned(), serde_json::Value::String(broker))
+        })
+        .collect();
     let body = json!({
         "status": if sql.is_ok() { "ready" } else { "not ready" },
+        "consumers": consumers,
         "sql": match &sql { Ok(()) => "ok".to_owned(), Err(e) => e.to_string() },
         "sql_backend": state.store.sql().backend(),
         "fast_layer": state.store.fast_layer_name(),

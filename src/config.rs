@@ -18,6 +18,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
+mod consumer;
+pub use consumer::{Broker, ConsumerConfig};
+
 /// Where `serve`, `demo` and `check-config` look when `--config` is absent.
 pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
 
@@ -66,6 +69,8 @@ pub struct Config {
     pub upstreams: Vec<UpstreamConfig>,
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    #[serde(default)]
+    pub consumers: Vec<ConsumerConfig>,
 }
 
 /// `[server]`: listeners and connection hardening.
@@ -788,6 +793,41 @@ impl Config {
                         ),
                     );
                 }
+            }
+        }
+
+        let mut consumer_names = BTreeSet::new();
+        for (i, c) in self.consumers.iter().enumerate() {
+            let key = |field: &str| format!("consumers[{i}].{field}");
+            if c.name.is_empty() {
+                add(key("name"), "must not be empty".into());
+            } else if !consumer_names.insert(c.name.as_str()) {
+                add(key("name"), format!("duplicate consumer name {:?}", c.name));
+            } else if route_names.contains(c.name.as_str()) || c.name == "token" {
+                // A consumer's records are kept under its name as their
+                // route: sharing a route's name would share its records.
+                add(
+                    key("name"),
+                    format!(
+                        "{:?} is also a route's name; records are kept by name",
+                        c.name
+                    ),
+                );
+            }
+            c.validate(&key, &upstream_names, &mut add);
+        }
+        // Two entries on one queue would keep one message under two
+        // records (the consumer's name scopes them): executed twice.
+        let mut reads = std::collections::BTreeMap::new();
+        for (i, c) in self.consumers.iter().enumerate() {
+            if let Some(first) = reads.insert(c.reads(), i) {
+                add(
+                    format!("consumers[{i}]"),
+                    format!(
+                        "reads the same queue or durable as consumers[{first}]; one message would be \
+                         kept under two records and executed twice"
+                    ),
+                );
             }
         }
 

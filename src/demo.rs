@@ -105,9 +105,28 @@ Try it (another terminal):
   # Reads pass straight through
   curl -s {g}/orders/ord_unknown
 
+  # 7. With RabbitMQ on 127.0.0.1:5672 (consumers: {consumers}):
+  #    the same message published three times, executed once
+  #    (rabbitmqadmin needs: rabbitmq-plugins enable rabbitmq_management)
+  rabbitmqadmin declare queue name=coupon.events durable=true
+  for i in 1 2 3; do rabbitmqadmin publish exchange=amq.default routing_key=coupon.events \
+    payload='{{"coupon":"C1"}}' properties='{{"message_id":"m-1"}}'; done
+  curl -s http://{upstream}/stats      # mq_push: one execution for coupon.events/m-1
+  curl -s http://{admin}/readyz        # each consumer's broker connection
+
 Stop with Ctrl-C.
 "#,
         db = config.store.database_url,
+        consumers = if config.consumers.is_empty() {
+            "none configured".to_owned()
+        } else {
+            config
+                .consumers
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
         routes = config
             .routes
             .iter()

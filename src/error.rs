@@ -126,6 +126,17 @@ impl Problem {
     }
 }
 
+/// A URL (database, broker) without its password, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        _ => url.to_owned(),
+    }
+}
+
 /// Marks a response as a problem the gateway answered itself (for metrics).
 #[derive(Debug, Clone, Copy)]
 pub struct ProblemReason(pub &'static str);

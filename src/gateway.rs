@@ -53,6 +53,8 @@ pub struct RunningGateway {
     /// This gateway's store.
     pub store: Store,
     trigger: ShutdownTrigger,
+    stop_consumers: tokio_util::sync::CancellationToken,
+    consumers: crate::consumer::Consumers,
     sweeper: JoinHandle<()>,
     purge_follower: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
@@ -64,6 +66,10 @@ impl RunningGateway {
     /// both listeners have drained (or the grace period ran out).
     pub async fn shutdown(self) {
         self.trigger.trigger();
+        // Consumers stop taking messages and finish those in hand within
+        // the grace, while the listeners drain.
+        self.stop_consumers.cancel();
+        self.consumers.join().await;
         for task in self.tasks {
             let _ = task.await;
         }
@@ -235,6 +241,12 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     // closes when the last worker stops accepting.
     drop(listener);
 
+    let stop_consumers = tokio_util::sync::CancellationToken::new();
+    let consumers = crate::consumer::Consumers::spawn(
+        build_consumers(&shared, &store)?,
+        stop_consumers.clone(),
+    );
+
     let admin_app = crate::admin::router(crate::admin::AdminState {
         metrics: metrics.clone(),
         store: store.clone(),
@@ -251,6 +263,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         %public_addr,
         %admin_addr,
         routes = config.routes.len(),
+        consumers = config.consumers.len(),
         workers = threads,
         sql = store.sql().backend(),
         fast_layer = store.fast_layer_name(),
@@ -262,6 +275,8 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         metrics,
         store,
         trigger,
+        stop_consumers,
+        consumers,
         sweeper,
         purge_follower,
         tasks: vec![admin_task],
@@ -387,6 +402,94 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     Ok(())
 }
 
+/// One deliverer per `[[consumers]]` entry, on the calling runtime: each
+/// runs through the same engine, store and holders as the routes, with its
+/// name as the route of its records.
+fn build_consumers(
+    shared: &Shared,
+    store: &Store,
+) -> Result<Vec<Arc<crate::consumer::Deliverer>>, StartError> {
+    use crate::config::Broker;
+    use crate::consumer::{ConsumerSettings, Deliverer, MessageKeySource, Source};
+    let config = &shared.config;
+    let mut deliverers = Vec::with_capacity(config.consumers.len());
+    for c in &config.consumers {
+        let fail = |reason: String| StartError::Route {
+            route: format!("consumer {}", c.name),
+            reason,
+        };
+        let upstream = shared
+            .upstreams
+            .get(&c.upstream)
+            .cloned()
+            .ok_or_else(|| fail(format!("unknown upstream {:?}", c.upstream)))?;
+        let source = match c.broker() {
+            Some(Broker::Amqp) => Source::Amqp {
+                url: c.source.clone(),
+                queue: c.queue.clone().unwrap_or_default(),
+                dead_letter: c.dead_letter_name(),
+            },
+            Some(Broker::Nats) => Source::Nats {
+                url: c.source.clone(),
+                stream: c.stream.clone().unwrap_or_default(),
+                durable: c.durable_name().to_owned(),
+                dead_letter: c.dead_letter_name(),
+            },
+            None => return Err(fail("unknown broker scheme".into())),
+        };
+        let sources = c
+            .business_key
+            .iter()
+            .map(|s| MessageKeySource::parse(s))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(fail)?;
+        let settings = ConsumerSettings {
+            name: c.name.as_str().into(),
+            source,
+            path: c
+                .path
+                .parse()
+                .map_err(|_| fail(format!("{:?} is not a path", c.path)))?,
+            sources: sources.into(),
+            prefetch: c.prefetch,
+            max_deliveries: c.max_deliveries,
+            retry_delay: c.retry_delay.get(),
+            upstream_timeout: upstream.timeout,
+            shutdown_grace: config.server.shutdown_grace.get(),
+        };
+        let engine = Engine::new(
+            store.clone(),
+            EngineSettings {
+                route: c.name.as_str().into(),
+                identity_header: HeaderName::from_static("authorization"),
+                max_body_bytes: config.server.max_body_bytes,
+                body_read_timeout: config.server.body_read_timeout.get(),
+                max_stored_body_bytes: config.store.max_stored_body_bytes,
+                // Never `wait`: a waiter replays the holder's outcome the
+                // moment it exists, before its write is durable, and a
+                // consumer acknowledges every replay.
+                on_concurrent: crate::config::OnConcurrent::Reject,
+                wait_limit: upstream.timeout,
+            },
+            shared.metrics.clone(),
+            shared.holders.clone(),
+        );
+        let proxy = Proxy::new(
+            upstream.pool(),
+            upstream.clone(),
+            config.server.max_body_bytes,
+            shared.metrics.upstream(&c.upstream),
+        );
+        deliverers.push(Arc::new(Deliverer::new(
+            settings,
+            engine,
+            proxy,
+            shared.metrics.consumer(&c.name),
+        )));
+    }
+    Ok(deliverers)
+}
+
 fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<String>), StartError> {
     let Shared {
         config,
@@ -507,13 +610,5 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
     Ok((Router::new(routes, Some(token)), token_routes))
 }
 
-/// A database URL without its password, for messages.
-pub fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut parsed) if parsed.password().is_some() => {
-            let _ = parsed.set_password(Some("***"));
-            parsed.to_string()
-        }
-        _ => url.to_owned(),
-    }
-}
+/// A URL without its password, for messages.
+pub use crate::error::redact_url as redact;

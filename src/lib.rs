@@ -23,6 +23,8 @@
 //!   layer every protected route runs.
 //! - [`token`]: one-time tokens — `/token`, verification, the token policy.
 //! - [`callback`]: business keys and signatures for callback routes.
+//! - [`consumer`]: the MQ link — RabbitMQ and NATS JetStream consumers that
+//!   deliver each message to an upstream once, through the same engine.
 //! - [`error`]: the one place errors become `application/problem+json`.
 //! - [`metrics`]: the Prometheus registry behind `/metrics`.
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/*`.
@@ -34,6 +36,7 @@
 pub mod admin;
 pub mod callback;
 pub mod config;
+pub mod consumer;
 pub mod demo;
 pub mod demo_upstream;
 pub mod error;

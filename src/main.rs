@@ -199,7 +199,9 @@ fn block_on(f: impl std::future::Future<Output = Result<(), String>>) -> ExitCod
 
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // lapin logs every closed channel as an error of its own; the
+        // consumer logs the same event once, with the consumer and queue.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"));
     // Colours only on a terminal: log files and collectors get plain text.
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
@@ -305,9 +307,46 @@ fn print_route_table(config: &Config) {
             policy
         );
     }
+    if !config.consumers.is_empty() {
+        println!();
+        println!(
+            "{:<20} {:<9} {:<34} {:<24} {:<12} {:<16} BUSINESS KEY",
+            "CONSUMER", "BROKER", "SOURCE", "QUEUE / STREAM", "UPSTREAM", "PATH"
+        );
+    }
+    for c in &config.consumers {
+        let (broker, from) = match c.broker() {
+            Some(idemgate::config::Broker::Amqp) => {
+                ("rabbitmq", c.queue.clone().unwrap_or_default())
+            }
+            Some(idemgate::config::Broker::Nats) => (
+                "jetstream",
+                format!(
+                    "{} / {}",
+                    c.stream.as_deref().unwrap_or_default(),
+                    c.durable_name()
+                ),
+            ),
+            None => ("?", String::new()),
+        };
+        println!(
+            "{:<20} {:<9} {:<34} {:<24} {:<12} {:<16} {} (prefetch {}, max_deliveries {}, retry_delay {})",
+            c.name,
+            broker,
+            idemgate::gateway::redact(&c.source),
+            from,
+            c.upstream,
+            c.path,
+            c.business_key.join("+"),
+            c.prefetch,
+            c.max_deliveries,
+            humantime::format_duration(c.retry_delay.get()),
+        );
+    }
     println!(
-        "ok: {} route(s), {} upstream(s)",
+        "ok: {} route(s), {} upstream(s), {} consumer(s)",
         config.routes.len(),
-        config.upstreams.len()
+        config.upstreams.len(),
+        config.consumers.len()
     );
 }

@@ -117,11 +117,96 @@ impl RouteCounters {
     }
 }
 
+/// What happened to one delivery of a message (`outcome` label of
+/// `idemgate_messages_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MessageOutcome {
+    /// Delivered to the upstream, outcome recorded, acknowledged.
+    Forwarded,
+    /// A repeat of a recorded message: acknowledged without forwarding.
+    Duplicate,
+    /// Left for the broker to deliver again (upstream failure, store
+    /// unreachable, a copy in flight elsewhere).
+    Retried,
+    /// Moved to the dead-letter queue.
+    DeadLettered,
+    /// The broker refused an acknowledgement or a dead-letter publish.
+    Error,
+}
+
+const MESSAGE_OUTCOMES: [MessageOutcome; 5] = [
+    MessageOutcome::Forwarded,
+    MessageOutcome::Duplicate,
+    MessageOutcome::Retried,
+    MessageOutcome::DeadLettered,
+    MessageOutcome::Error,
+];
+
+impl MessageOutcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MessageOutcome::Forwarded => "forwarded",
+            MessageOutcome::Duplicate => "duplicate",
+            MessageOutcome::Retried => "retried",
+            MessageOutcome::DeadLettered => "dead_lettered",
+            MessageOutcome::Error => "error",
+        }
+    }
+}
+
+/// One consumer's counters and broker connection state.
+#[derive(Debug, Default)]
+pub struct ConsumerCounters {
+    outcomes: [AtomicU64; MESSAGE_OUTCOMES.len()],
+    /// `None` while connected; otherwise why not (for `/readyz`).
+    broker: std::sync::Mutex<Option<String>>,
+    connected: std::sync::atomic::AtomicBool,
+}
+
+impl ConsumerCounters {
+    /// Counts one delivery.
+    pub fn record(&self, outcome: MessageOutcome) {
+        self.outcomes[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The count of one outcome.
+    pub fn get(&self, outcome: MessageOutcome) -> u64 {
+        self.outcomes[outcome as usize].load(Ordering::Relaxed)
+    }
+
+    /// The broker connection is up.
+    pub fn set_connected(&self) {
+        *self.broker.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.connected.store(true, Ordering::Relaxed);
+    }
+
+    /// The broker connection is down, and why.
+    pub fn set_disconnected(&self, why: impl Into<String>) {
+        *self.broker.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.into());
+        self.connected.store(false, Ordering::Relaxed);
+    }
+
+    /// `Ok` when connected, else the last reason.
+    pub fn broker_state(&self) -> Result<(), String> {
+        if self.connected.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        Err(self
+            .broker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or_else(|| "connecting".into()))
+    }
+}
+
 /// One gateway's metrics.
 #[derive(Debug, Default)]
 pub struct Metrics {
     routes: BTreeMap<String, Arc<RouteCounters>>,
     upstreams: BTreeMap<String, Arc<Histogram>>,
+    consumers: BTreeMap<String, Arc<ConsumerCounters>>,
     fallback_redis: AtomicU64,
     fallback_memory: AtomicU64,
     /// Claims currently held by this gateway (forwarded, not yet finished).
@@ -147,6 +232,11 @@ impl Metrics {
                 .iter()
                 .map(|u| (u.name.clone(), Arc::default()))
                 .collect(),
+            consumers: config
+                .consumers
+                .iter()
+                .map(|c| (c.name.clone(), Arc::default()))
+                .collect(),
             ..Default::default()
         }
     }
@@ -159,6 +249,16 @@ impl Metrics {
     /// The latency histogram of one upstream.
     pub fn upstream(&self, name: &str) -> Arc<Histogram> {
         self.upstreams.get(name).cloned().unwrap_or_default()
+    }
+
+    /// The counters of one consumer.
+    pub fn consumer(&self, name: &str) -> Arc<ConsumerCounters> {
+        self.consumers.get(name).cloned().unwrap_or_default()
+    }
+
+    /// Every consumer's counters, by name.
+    pub fn consumers(&self) -> impl Iterator<Item = (&str, &Arc<ConsumerCounters>)> {
+        self.consumers.iter().map(|(n, c)| (n.as_str(), c))
     }
 
     /// Where the per-worker connection counts come from.
@@ -196,6 +296,31 @@ impl Metrics {
                     "idemgate_requests_total{{route=\"{route}\",outcome=\"{}\"}} {}",
                     outcome.as_str(),
                     counters.get(outcome)
+                );
+            }
+        }
+        if !self.consumers.is_empty() {
+            out.push_str(
+                "# HELP idemgate_messages_total Message deliveries by consumer and outcome.\n",
+            );
+            out.push_str("# TYPE idemgate_messages_total counter\n");
+            for (consumer, counters) in &self.consumers {
+                for outcome in MESSAGE_OUTCOMES {
+                    let _ = writeln!(
+                        out,
+                        "idemgate_messages_total{{consumer=\"{consumer}\",outcome=\"{}\"}} {}",
+                        outcome.as_str(),
+                        counters.get(outcome)
+                    );
+                }
+            }
+            out.push_str("# HELP idemgate_consumer_connected Whether the consumer's broker connection is up.\n");
+            out.push_str("# TYPE idemgate_consumer_connected gauge\n");
+            for (consumer, counters) in &self.consumers {
+                let _ = writeln!(
+                    out,
+                    "idemgate_consumer_connected{{consumer=\"{consumer}\"}} {}",
+                    u8::from(counters.broker_state().is_ok())
                 );
             }
         }

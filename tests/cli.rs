@@ -343,3 +343,53 @@ fn check_config_shows_each_listener_and_upstream_scheme_and_protocol() {
         "payments https://localhost:9443 https HTTP/1.1 system roots"
     );
 }
+
+#[test]
+fn check_config_prints_each_consumer_and_refuses_a_bad_message_key() {
+    let (code, out, _) = check_config(
+        r#"
+        [[upstreams]]
+        name = "coupons"
+        url = "http://127.0.0.1:9001"
+        [[consumers]]
+        name = "coupon-events"
+        source = "amqp://guest:secret@127.0.0.1:5672/%2f"
+        queue = "coupon.deduct"
+        upstream = "coupons"
+        path = "/mq/coupons"
+        "#,
+    );
+    assert_eq!(code, Some(0), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("coupon-events"))
+        .unwrap_or_else(|| panic!("no consumer line in {out}"));
+    for part in [
+        "rabbitmq",
+        "coupon.deduct",
+        "/mq/coupons",
+        "msg:message_id+msg:topic",
+    ] {
+        assert!(line.contains(part), "{part} not in {line}");
+    }
+    assert!(
+        !out.contains("secret"),
+        "the broker password was printed: {out}"
+    );
+    let (code, _, err) = check_config(
+        r#"
+        [[upstreams]]
+        name = "coupons"
+        url = "http://127.0.0.1:9001"
+        [[consumers]]
+        name = "coupon-events"
+        source = "nats://127.0.0.1:4222"
+        stream = "COUPONS"
+        upstream = "coupons"
+        path = "/mq/coupons"
+        business_key = ["query:id"]
+        "#,
+    );
+    assert_eq!(code, Some(2));
+    assert!(err.contains("consumers[0].business_key"), "{err}");
+}

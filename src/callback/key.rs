@@ -112,14 +112,44 @@ impl KeySource {
                 }
             }
         };
-        if value.is_empty() {
-            return Err(missing());
-        }
-        if value.chars().any(char::is_control) {
-            return Err(invalid("holds a control character"));
-        }
-        Ok(value)
+        check_key_value(&self.describe(), value)
     }
+}
+
+/// One source's value as a key part: refused when empty (missing) or when
+/// it holds a control character (Postgres refuses NUL, and the refusal
+/// would fail every claim batched with it).
+pub fn check_key_value(origin: &str, value: String) -> Result<String, KeyError> {
+    if value.is_empty() {
+        return Err(KeyError::Missing(origin.to_owned()));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(KeyError::Invalid {
+            origin: origin.to_owned(),
+            reason: "holds a control character".into(),
+        });
+    }
+    Ok(value)
+}
+
+/// Joins the parts of a key: one part as it is, several with length
+/// prefixes; refused over [`MAX_KEY_BYTES`].
+pub fn join_key_values(values: Vec<String>) -> Result<String, KeyError> {
+    let key = match <[String; 1]>::try_from(values) {
+        Ok([single]) => single,
+        Err(many) => many
+            .iter()
+            .map(|v| format!("{}:{v}", v.len()))
+            .collect::<Vec<_>>()
+            .join("|"),
+    };
+    if key.len() > MAX_KEY_BYTES {
+        return Err(KeyError::Invalid {
+            origin: "the business key".into(),
+            reason: format!("{} bytes, over {MAX_KEY_BYTES}", key.len()),
+        });
+    }
+    Ok(key)
 }
 
 /// Reads every source and joins them into one key.
@@ -133,21 +163,7 @@ pub fn business_key(
         .iter()
         .map(|s| s.read(parts, &mut json, body))
         .collect::<Result<Vec<_>, _>>()?;
-    let key = match values.as_slice() {
-        [single] => single.clone(),
-        many => many
-            .iter()
-            .map(|v| format!("{}:{v}", v.len()))
-            .collect::<Vec<_>>()
-            .join("|"),
-    };
-    if key.len() > MAX_KEY_BYTES {
-        return Err(KeyError::Invalid {
-            origin: "the business key".into(),
-            reason: format!("{} bytes, over {MAX_KEY_BYTES}", key.len()),
-        });
-    }
-    Ok(key)
+    join_key_values(values)
 }
 
 #[cfg(test)]

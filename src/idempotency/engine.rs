@@ -293,6 +293,19 @@ impl Engine {
             fingerprint,
             request_id,
         } = &*ticket;
+        // This process still holds the key for the same request: its
+        // holder has the answer in hand, or is forwarding. Its lease may
+        // have run out while the database was away; a claim now would take
+        // the record over and forward the request a second time, while the
+        // holder is about to record the first outcome.
+        if self.holders.subscribe(key, fingerprint).is_some() {
+            let _ = reply.send(Attempt::InFlight {
+                retry_after: Duration::from_secs(crate::error::IN_FLIGHT_RETRY_AFTER_SECS),
+                parts,
+                bytes,
+            });
+            return;
+        }
         let claimed_at = tokio::time::Instant::now();
         let epoch = match self.store.claim(key, fingerprint, request_id).await {
             Ok(Claim::Won { epoch }) => epoch,

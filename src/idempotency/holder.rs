@@ -40,6 +40,12 @@ pub const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// not wait a third of the lease: the lease may be about to end).
 pub const RENEW_RETRY: Duration = Duration::from_millis(250);
 
+/// Marks a holder's answer whose outcome was recorded before the answer
+/// was handed on (a message consumer acknowledges only such answers: SPEC
+/// §8 "acknowledged only after its outcome is durable").
+#[derive(Debug, Clone, Copy)]
+pub struct Recorded;
+
 /// Where a holder stands; logged when a shutdown leaves it unfinished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
@@ -327,6 +333,10 @@ impl<L: Ledger> Holder<L> {
         // The first write before the answer, so that a client who retries
         // right after its answer finds the outcome recorded.
         let first = self.write_once(&write).await;
+        let mut response = response;
+        if matches!((&write, &first), (Write::Complete(_), Ok(true))) {
+            response.extensions_mut().insert(Recorded);
+        }
         reply(response);
         if first.is_err() {
             self.write_until_durable(&write, &lost).await;
@@ -342,20 +352,21 @@ impl<L: Ledger> Holder<L> {
         }
     }
 
-    /// One try; `Err` when it should be tried again.
-    async fn write_once(&self, write: &Write) -> Result<(), StoreError> {
+    /// One try; `Err` when it should be tried again, `Ok(false)` when the
+    /// fence refused it.
+    async fn write_once(&self, write: &Write) -> Result<bool, StoreError> {
         match self
             .ledger
             .write(&self.key, self.epoch, &self.fingerprint, write)
             .await
         {
-            Ok(true) => Ok(()),
+            Ok(true) => Ok(true),
             Ok(false) => {
                 tracing::warn!(
                     route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
                     epoch = self.epoch, "outcome refused: the claim was taken over while this request ran"
                 );
-                Ok(())
+                Ok(false)
             }
             Err(e) => {
                 tracing::warn!(

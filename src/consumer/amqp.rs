@@ -1,0 +1,383 @@
+//! RabbitMQ (AMQP 0-9-1, `lapin`): one connection and channel per
+//! consumer, manual acks, `prefetch` unacknowledged messages at most.
+//!
+//! - The queue is the application's: it is checked (a passive declare), not
+//!   created, so Idemgate never fights its owner over arguments. A missing
+//!   queue is reported and retried with the reconnect backoff.
+//! - Dead letters go to `dead_letter` (default `<queue>.dlq`, declared
+//!   durable by Idemgate) through the default exchange, mandatory and with
+//!   publisher confirms, carrying the reason and the consumer as headers;
+//!   the original is acknowledged only after the broker stored the copy.
+//!   (A queue's own dead-letter exchange works only where its owner set one
+//!   — without one, a rejected message is dropped — and carries no reason.)
+//! - Retries after an upstream failure: the message is held `retry_delay`,
+//!   then rejected with requeue; RabbitMQ delivers it again, here or to
+//!   another instance. Store outages and copies in flight are waited out
+//!   in process ([`Deliverer::decide`]): a requeue counts against a quorum
+//!   queue's `delivery-limit`.
+//! - A dropped connection ends the session; deliveries still running are
+//!   seen through by their holders, and their acks are refused with the
+//!   channel (counted as `error`) — the broker delivers them again and the
+//!   store answers the repeat.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::{Deliverer, Message, Verdict, backoff, redact};
+
+/// Runs the consumer until `stop`, reconnecting with backoff.
+pub(super) async fn run(
+    d: Arc<Deliverer>,
+    url: String,
+    queue: String,
+    dead_letters: String,
+    stop: CancellationToken,
+) {
+    let name = d.settings().name.clone();
+    let mut failures = 0u32;
+    loop {
+        let ended = session(&d, &url, &queue, &dead_letters, &stop, &mut failures).await;
+        if stop.is_cancelled() {
+            return;
+        }
+        let why = match ended {
+            Ok(()) => "the broker cancelled the consumer".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        d.counters().set_disconnected(why.clone());
+        let pause = backoff(failures);
+        failures = failures.saturating_add(1);
+        // The first failure in a row is a warning, then about one a
+        // minute: a broker that is down for hours must not flood the log.
+        if failures == 1 || failures.is_multiple_of(12) {
+            tracing::warn!(consumer = %name, broker = %redact(&url), queue = %queue, error = %why, retry_in = ?pause, layer = "consumer", "broker unreachable or connection lost; reconnecting");
+        } else {
+            tracing::debug!(consumer = %name, error = %why, retry_in = ?pause, layer = "consumer", "reconnecting");
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+async fn session(
+    d: &Arc<Deliverer>,
+    url: &str,
+    queue: &str,
+    dead_letters: &str,
+    stop: &CancellationToken,
+    failures: &mut u32,
+) -> Result<(), lapin::Error> {
+    let settings = d.settings();
+    let properties = ConnectionProperties::default()
+        .with_connection_name(LongString::from(format!("idemgate {}", settings.name)));
+    let connection = Connection::connect(url, properties).await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(settings.prefetch, BasicQosOptions::default())
+        .await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .queue_declare(
+            dead_letters.into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await?;
+    let tag = format!("idemgate-{}-{}", settings.name, uuid::Uuid::new_v4());
+    let mut consumer = channel
+        .basic_consume(
+            queue.into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    d.counters().set_connected();
+    *failures = 0;
+    tracing::info!(consumer = %settings.name, broker = %redact(url), queue = %queue, prefetch = settings.prefetch, layer = "consumer", "consuming");
+
+    let mut running = JoinSet::new();
+    let ended = loop {
+        tokio::select! {
+            _ = stop.cancelled() => break Ok(()),
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => {
+                    let d = d.clone();
+                    let channel = channel.clone();
+                    let stop = stop.clone();
+                    let dead_letters = dead_letters.to_owned();
+                    running.spawn(async move { handle(&d, &channel, &dead_letters, delivery, &stop).await });
+                }
+                Some(Err(e)) => break Err(e),
+                None => break Ok(()),
+            },
+            // Reap finished deliveries so the set stays small.
+            Some(_) = running.join_next(), if !running.is_empty() => {}
+        }
+    };
+    if stop.is_cancelled() {
+        // Stop taking messages; finish and acknowledge those in hand,
+        // within the grace; the rest are delivered again.
+        let _ = channel
+            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+            .await;
+        let finish = async { while running.join_next().await.is_some() {} };
+        if tokio::time::timeout(settings.shutdown_grace, finish)
+            .await
+            .is_err()
+        {
+            tracing::warn!(consumer = %settings.name, left = running.len(), layer = "consumer", "shutdown grace over; unacknowledged messages are delivered again");
+        }
+        let _ = connection.close(200, "idemgate stopping".into()).await;
+        return Ok(());
+    }
+    // The deliveries in hand go on in the background: their holders see
+    // their claims through; their acks fail with the connection.
+    running.detach_all();
+    let _ = connection.close(200, "reconnecting".into()).await;
+    ended
+}
+
+async fn handle(
+    d: &Deliverer,
+    channel: &Channel,
+    dead_letters: &str,
+    delivery: Delivery,
+    stop: &CancellationToken,
+) {
+    let message = to_message(&delivery);
+    let verdict = d.decide(&message, stop, || async {}).await;
+    let done = match &verdict {
+        Verdict::Ack(_) => acked(delivery.ack(BasicAckOptions::default()).await),
+        Verdict::Retry(delay) | Verdict::Wait(delay) => requeue(&delivery, *delay, stop).await,
+        Verdict::DeadLetter(reason) => {
+            match dead_letter(d, channel, dead_letters, &delivery, reason).await {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    // The copy is not stored: the original stays, and comes
+                    // back after the delay (its failure count is kept).
+                    let _ = requeue(&delivery, d.settings().retry_delay, stop).await;
+                    Err(e)
+                }
+            }
+        }
+    };
+    d.settled(&message, &verdict, done);
+}
+
+/// Holds the message `delay` (cut short by a stop, so that another
+/// instance gets it at once), then rejects it with requeue.
+async fn requeue(
+    delivery: &Delivery,
+    delay: Duration,
+    stop: &CancellationToken,
+) -> Result<(), String> {
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = tokio::time::sleep(delay) => {}
+    }
+    acked(
+        delivery
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await,
+    )
+}
+
+/// An ack or nack the channel took. lapin answers `Ok(false)` without
+/// sending anything when the channel is gone: that is a failure, not an
+/// acknowledgement.
+fn acked(result: Result<bool, lapin::Error>) -> Result<(), String> {
+    match result {
+        Ok(true) => Ok(()),
+        Ok(false) => Err("the channel is closed; the broker delivers the message again".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Publishes a copy to the dead-letter queue — mandatory, confirmed, and
+/// not returned as unroutable — then acknowledges the original.
+async fn dead_letter(
+    d: &Deliverer,
+    channel: &Channel,
+    dead_letters: &str,
+    delivery: &Delivery,
+    reason: &str,
+) -> Result<(), String> {
+    let failed = |e: lapin::Error| e.to_string();
+    let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+    headers.insert(
+        "x-idemgate-reason".into(),
+        AMQPValue::LongString(LongString::from(reason.to_owned())),
+    );
+    headers.insert(
+        "x-idemgate-consumer".into(),
+        AMQPValue::LongString(LongString::from(d.settings().name.to_string())),
+    );
+    headers.insert(
+        "x-idemgate-routing-key".into(),
+        AMQPValue::LongString(LongString::from(delivery.routing_key.to_string())),
+    );
+    let properties = dead_letter_properties(&delivery.properties, headers);
+    let confirmed = channel
+        .basic_publish(
+            ShortString::from(""),
+            dead_letters.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            &delivery.data,
+            properties,
+        )
+        .await
+        .map_err(failed)?
+        .await
+        .map_err(failed)?;
+    // A mandatory publish nobody could route is confirmed all the same,
+    // with the message handed back: not stored.
+    if !confirmed.is_ack() {
+        return Err(format!(
+            "the broker refused the dead-letter copy for {dead_letters:?}"
+        ));
+    }
+    if confirmed.take_message().is_some() {
+        return Err(format!(
+            "the dead-letter queue {dead_letters:?} does not exist"
+        ));
+    }
+    acked(delivery.ack(BasicAckOptions::default()).await)
+}
+
+/// The original's properties for its dead-letter copy, persistent, minus
+/// `expiration` (the copy must not expire with the original's per-message
+/// TTL) and `user_id` (RabbitMQ checks it against the publishing user).
+fn dead_letter_properties(original: &BasicProperties, headers: FieldTable) -> BasicProperties {
+    let mut p = BasicProperties::default()
+        .with_headers(headers)
+        .with_delivery_mode(2);
+    let o = original;
+    if let Some(v) = o.content_type() {
+        p = p.with_content_type(v.clone());
+    }
+    if let Some(v) = o.content_encoding() {
+        p = p.with_content_encoding(v.clone());
+    }
+    if let Some(v) = o.priority() {
+        p = p.with_priority(*v);
+    }
+    if let Some(v) = o.correlation_id() {
+        p = p.with_correlation_id(v.clone());
+    }
+    if let Some(v) = o.reply_to() {
+        p = p.with_reply_to(v.clone());
+    }
+    if let Some(v) = o.message_id() {
+        p = p.with_message_id(v.clone());
+    }
+    if let Some(v) = o.timestamp() {
+        p = p.with_timestamp(*v);
+    }
+    if let Some(v) = o.kind() {
+        p = p.with_type(v.clone());
+    }
+    if let Some(v) = o.app_id() {
+        p = p.with_app_id(v.clone());
+    }
+    if let Some(v) = o.cluster_id() {
+        p = p.with_cluster_id(v.clone());
+    }
+    p
+}
+
+/// Where a queue's dead letters go unless `dead_letter` says otherwise.
+pub fn default_dead_letter_queue(queue: &str) -> String {
+    format!("{queue}.dlq")
+}
+
+fn to_message(delivery: &Delivery) -> Message {
+    let properties: &BasicProperties = &delivery.properties;
+    let mut headers = Vec::new();
+    let mut broker_count = None;
+    if let Some(table) = properties.headers() {
+        for (name, value) in table.inner() {
+            if name.as_str() == "x-delivery-count" {
+                broker_count = as_count(value);
+            }
+            headers.push((name.to_string(), header_text(value)));
+        }
+    }
+    // Quorum queues count earlier deliveries in `x-delivery-count`; a
+    // classic queue only says whether this is a redelivery.
+    let delivery_count = match broker_count {
+        Some(earlier) => earlier + 1,
+        None if delivery.redelivered => 2,
+        None => 1,
+    };
+    Message {
+        id: properties.message_id().as_ref().map(|id| id.to_string()),
+        topic: delivery.routing_key.to_string(),
+        headers,
+        content_type: properties.content_type().as_ref().map(|c| c.to_string()),
+        body: Bytes::copy_from_slice(&delivery.data),
+        delivery_count,
+    }
+}
+
+fn as_count(value: &AMQPValue) -> Option<u64> {
+    match value {
+        AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::LongInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::LongUInt(n) => Some(u64::from(*n)),
+        AMQPValue::ShortInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::ShortUInt(n) => Some(u64::from(*n)),
+        _ => None,
+    }
+}
+
+/// A header's value as key text: strings as they are, integers as digits;
+/// anything else is not a key.
+fn header_text(value: &AMQPValue) -> Result<String, String> {
+    match value {
+        AMQPValue::LongString(s) => {
+            String::from_utf8(s.as_bytes().to_vec()).map_err(|_| "not UTF-8".to_owned())
+        }
+        AMQPValue::ShortString(s) => Ok(s.to_string()),
+        AMQPValue::ShortShortInt(n) => Ok(n.to_string()),
+        AMQPValue::ShortShortUInt(n) => Ok(n.to_string()),
+        AMQPValue::ShortInt(n) => Ok(n.to_string()),
+        AMQPValue::ShortUInt(n) => Ok(n.to_string()),
+        AMQPValue::LongInt(n) => Ok(n.to_string()),
+        AMQPValue::LongUInt(n) => Ok(n.to_string()),
+        AMQPValue::LongLongInt(n) => Ok(n.to_string()),
+        other => Err(format!("a {:?} header is not a key", other.get_type())),
+    }
+}

@@ -1,0 +1,472 @@
+//! The MQ link (SPEC §8): consume from RabbitMQ or NATS JetStream and
+//! deliver each message to an upstream over HTTP once.
+//!
+//! A broker delivers at least once: a failover, or a consumer killed before
+//! its ack, delivers a message again that was already processed. Each
+//! delivery is turned into a request — `POST path` with the message body,
+//! the stable key as `Idempotency-Key`, the id, topic and delivery count as
+//! headers — and run through the same [`Engine`] as a callback route, keyed
+//! by the message's business key ([`key`]). What the engine answers decides
+//! the acknowledgement ([`Verdict`]):
+//!
+//! - a recorded outcome (the holder's first write landed) or a replay of one:
+//!   acknowledged — the ack comes after the record is durable, so a crash in
+//!   between redelivers a message the store already answers;
+//! - an upstream failure (5xx, refusal, timeout, uncertain): delivered again
+//!   after `retry_delay`, dead-lettered after `max_deliveries` failures;
+//! - the store unreachable, or a copy in flight elsewhere: delivered again
+//!   after `retry_delay`, and never dead-lettered for it (the message waits);
+//! - a message without a usable key, too large, or whose key was first used
+//!   for a different body: dead-lettered at once, never forwarded.
+//!
+//! [`amqp`] and [`nats`] own the broker connections: consuming, acks,
+//! dead-letter publishing, reconnecting with backoff, and the graceful stop.
+
+mod amqp;
+pub mod key;
+mod nats;
+
+pub use amqp::default_dead_letter_queue;
+pub use nats::default_dead_letter_subject;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, Method, Request, Response, header};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use key::{DEFAULT_MESSAGE_KEY, KeyedMessage, MessageKeySource, message_key};
+
+use crate::error::{Problem, ProblemReason};
+use crate::idempotency::holder::Recorded;
+use crate::idempotency::{Engine, Head, Policy};
+use crate::metrics::{ConsumerCounters, MessageOutcome, Outcome};
+use crate::proxy::Proxy;
+use crate::store::{RecordKey, key_ref};
+
+/// `X-Msg-Id`: the message's id, as the upstream receives it.
+pub const X_MSG_ID: HeaderName = HeaderName::from_static("x-msg-id");
+/// `X-Topic`: the routing key or subject.
+pub const X_TOPIC: HeaderName = HeaderName::from_static("x-topic");
+/// `X-Delivery-Count`: how many times the broker has delivered it (1 the
+/// first time).
+pub const X_DELIVERY_COUNT: HeaderName = HeaderName::from_static("x-delivery-count");
+
+/// The scope of every consumer record: the consumer is the sender.
+pub const CONSUMER_SCOPE: &str = "consumer";
+
+/// First pause before reconnecting to a broker; it doubles.
+pub const RECONNECT_START: Duration = Duration::from_millis(100);
+/// Longest pause between two connection attempts.
+pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
+
+/// Where a consumer reads from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// A RabbitMQ queue, and the queue its dead letters go to.
+    Amqp {
+        url: String,
+        queue: String,
+        dead_letter: String,
+    },
+    /// A durable pull consumer of a JetStream stream, and the subject its
+    /// dead letters go to.
+    Nats {
+        url: String,
+        stream: String,
+        durable: String,
+        dead_letter: String,
+    },
+}
+
+/// One consumer's settings.
+#[derive(Debug, Clone)]
+pub struct ConsumerSettings {
+    pub name: Arc<str>,
+    pub source: Source,
+    pub path: http::uri::PathAndQuery,
+    pub sources: Arc<[MessageKeySource]>,
+    pub prefetch: u16,
+    pub max_deliveries: u32,
+    pub retry_delay: Duration,
+    /// The upstream's timeout (NATS redelivers an unacked message after
+    /// twice this, or 30 s, whichever is longer).
+    pub upstream_timeout: Duration,
+    /// How long a stop waits for messages in flight.
+    pub shutdown_grace: Duration,
+}
+
+/// One delivery, whatever the broker.
+#[derive(Debug, Clone)]
+pub struct Message {
+    pub id: Option<String>,
+    pub topic: String,
+    /// Header values as text, or why not.
+    pub headers: Vec<(String, Result<String, String>)>,
+    pub content_type: Option<String>,
+    pub body: Bytes,
+    /// The broker's delivery count, 1-based (0: the broker does not count).
+    pub delivery_count: u64,
+}
+
+impl KeyedMessage for Message {
+    fn message_id(&self) -> Option<&str> {
+        self.id.as_deref()
+    }
+    fn topic(&self) -> &str {
+        &self.topic
+    }
+    fn header(&self, name: &str) -> Option<Result<String, String>> {
+        let mut found = self
+            .headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name));
+        let (_, value) = found.next()?;
+        if found.next().is_some() {
+            // `Event-Id` and `event-id` both set: which one is the key
+            // must not depend on the order a map yields them.
+            return Some(Err("sent more than once (names differ only in case)".into()));
+        }
+        Some(value.clone())
+    }
+    fn body(&self) -> &Bytes {
+        &self.body
+    }
+}
+
+/// What to do with a delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Acknowledge: the outcome is durable.
+    Ack(MessageOutcome),
+    /// An upstream attempt failed (it counts towards `max_deliveries`):
+    /// leave it to the broker to deliver again after the delay.
+    Retry(Duration),
+    /// Nothing was attempted upstream — the store is unreachable, a copy
+    /// is in flight, the outcome is not recorded yet: try again in this
+    /// process after the delay (see [`Deliverer::decide`]).
+    Wait(Duration),
+    /// Move it to the dead-letter queue (then acknowledge it), for this
+    /// reason.
+    DeadLetter(String),
+}
+
+/// Delivers messages of one consumer through the engine.
+pub struct Deliverer {
+    settings: ConsumerSettings,
+    engine: Engine,
+    proxy: Proxy,
+    counters: Arc<ConsumerCounters>,
+    /// Failed upstream attempts per key, in this process. Store outages
+    /// and copies in flight elsewhere do not count: only attempts that
+    /// reached for the upstream bring a message nearer the dead letters.
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+/// How long a delivery is tried again in this process (store outage,
+/// copy in flight elsewhere) before it goes back to the broker.
+pub const MAX_IN_PROCESS_WAIT: Duration = Duration::from_secs(300);
+
+/// Most keys with failures remembered at once; past it the counts start
+/// over (a poison message then gets more attempts, never fewer).
+const MAX_TRACKED_FAILURES: usize = 100_000;
+
+impl Deliverer {
+    /// A deliverer over an engine whose route is the consumer's name and a
+    /// proxy to its upstream.
+    pub fn new(
+        settings: ConsumerSettings,
+        engine: Engine,
+        proxy: Proxy,
+        counters: Arc<ConsumerCounters>,
+    ) -> Self {
+        Deliverer {
+            settings,
+            engine,
+            proxy,
+            counters,
+            failures: Mutex::default(),
+        }
+    }
+
+    /// The consumer's settings.
+    pub fn settings(&self) -> &ConsumerSettings {
+        &self.settings
+    }
+
+    /// The consumer's counters.
+    pub fn counters(&self) -> &ConsumerCounters {
+        &self.counters
+    }
+
+    /// Delivers one message until there is a verdict for the broker:
+    /// [`Verdict::Wait`] is tried again here, after its delay, for up to
+    /// [`MAX_IN_PROCESS_WAIT`] — a broker never sees a store outage as a
+    /// failed delivery (quorum queues drop a message after their
+    /// `delivery-limit` of requeues). `keep` runs between tries (NATS:
+    /// extends the ack deadline). A stop hands the message back at once.
+    pub async fn decide<F, K>(
+        &self,
+        message: &Message,
+        stop: &CancellationToken,
+        mut keep: K,
+    ) -> Verdict
+    where
+        K: FnMut() -> F,
+        F: std::future::Future<Output = ()>,
+    {
+        let mut waited = Duration::ZERO;
+        loop {
+            let delay = match self.deliver(message).await {
+                Verdict::Wait(delay) => delay,
+                verdict => return verdict,
+            };
+            if stop.is_cancelled() || waited >= MAX_IN_PROCESS_WAIT {
+                return Verdict::Retry(delay);
+            }
+            self.counters.record(MessageOutcome::Retried);
+            tokio::select! {
+                _ = stop.cancelled() => return Verdict::Retry(Duration::ZERO),
+                _ = tokio::time::sleep(delay) => {}
+            }
+            waited += delay;
+            keep().await;
+        }
+    }
+
+    /// One try through the engine.
+    async fn deliver(&self, message: &Message) -> Verdict {
+        let name = &self.settings.name;
+        let key = match message_key(&self.settings.sources, message) {
+            Ok(key) => key,
+            Err(e) => {
+                return Verdict::DeadLetter(format!("no usable business key: {e}"));
+            }
+        };
+        // Out of attempts already (its dead-letter copy failed before):
+        // straight to the dead letters, not upstream again.
+        let failures = self.failures_of(&key);
+        if failures >= self.settings.max_deliveries {
+            return Verdict::DeadLetter(format!("the upstream failed {failures} time(s)"));
+        }
+        let request = self.request(message);
+        let response = self
+            .engine
+            .handle(
+                MessagePolicy { key: key.clone() },
+                self.proxy.clone(),
+                request,
+            )
+            .await;
+        let verdict = self.judge(&key, &response);
+        match &verdict {
+            Verdict::Ack(_) | Verdict::Wait(_) => {}
+            Verdict::DeadLetter(reason) => {
+                tracing::error!(consumer = %name, key = %key_ref(&key), topic = %message.topic.escape_debug(), reason = %reason, layer = "consumer", "dead-lettering the message");
+            }
+            Verdict::Retry(_) => {
+                tracing::warn!(consumer = %name, key = %key_ref(&key), status = response.status().as_u16(), layer = "consumer", "delivery failed; the message is delivered again");
+            }
+        }
+        verdict
+    }
+
+    /// Counts a verdict once the broker carried it out, or an error. A
+    /// message's failure count is forgotten only once it is acknowledged
+    /// or its dead-letter copy is stored: a dead letter that failed keeps
+    /// its count, so the next delivery goes to the dead letters again, not
+    /// upstream.
+    pub fn settled(&self, message: &Message, verdict: &Verdict, broker: Result<(), String>) {
+        let outcome = match (verdict, broker) {
+            (_, Err(e)) => {
+                tracing::warn!(consumer = %self.settings.name, error = %e, layer = "consumer", "the broker did not take the acknowledgement or dead letter; the message is delivered again");
+                MessageOutcome::Error
+            }
+            (Verdict::Ack(outcome), Ok(())) => *outcome,
+            (Verdict::Retry(_) | Verdict::Wait(_), Ok(())) => MessageOutcome::Retried,
+            (Verdict::DeadLetter(_), Ok(())) => MessageOutcome::DeadLettered,
+        };
+        if matches!(
+            outcome,
+            MessageOutcome::Forwarded | MessageOutcome::Duplicate | MessageOutcome::DeadLettered
+        ) && let Ok(key) = message_key(&self.settings.sources, message)
+        {
+            self.forget(&key);
+        }
+        self.counters.record(outcome);
+    }
+
+    fn request(&self, message: &Message) -> Request<Body> {
+        let mut request = Request::new(Body::from(message.body.clone()));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = http::Uri::from(self.settings.path.clone());
+        let headers = request.headers_mut();
+        let content_type = message
+            .content_type
+            .as_deref()
+            .and_then(|c| HeaderValue::from_str(c).ok())
+            .unwrap_or(HeaderValue::from_static("application/octet-stream"));
+        headers.insert(header::CONTENT_TYPE, content_type);
+        if let Some(id) = message
+            .id
+            .as_deref()
+            .and_then(|id| HeaderValue::from_bytes(id.as_bytes()).ok())
+        {
+            headers.insert(X_MSG_ID, id);
+        }
+        // UTF-8 ids and topics go as their bytes (obs-text), not dropped.
+        if let Ok(topic) = HeaderValue::from_bytes(message.topic.as_bytes()) {
+            headers.insert(X_TOPIC, topic);
+        }
+        headers.insert(
+            X_DELIVERY_COUNT,
+            HeaderValue::from(message.delivery_count.max(1)),
+        );
+        if let Ok(id) = HeaderValue::from_str(&uuid::Uuid::now_v7().to_string()) {
+            headers.insert(crate::request_id::X_REQUEST_ID, id);
+        }
+        request
+    }
+
+    fn judge(&self, key: &str, response: &Response<Body>) -> Verdict {
+        let extensions = response.extensions();
+        let status = response.status();
+        let retry = Verdict::Retry(self.settings.retry_delay);
+        let wait = Verdict::Wait(self.settings.retry_delay);
+        if let Some(outcome) = extensions.get::<Outcome>() {
+            match outcome {
+                Outcome::Replayed => return Verdict::Ack(MessageOutcome::Duplicate),
+                Outcome::Mismatch => {
+                    return Verdict::DeadLetter(
+                        "its key was first used for a message with a different body".into(),
+                    );
+                }
+                Outcome::Conflict => return wait,
+                _ => {}
+            }
+        }
+        if extensions.get::<Recorded>().is_some() {
+            return Verdict::Ack(MessageOutcome::Forwarded);
+        }
+        match extensions.get::<ProblemReason>().map(|r| r.0) {
+            // Nothing was forwarded and the message waits for the store.
+            Some("store-unavailable" | "store") => return wait,
+            Some("body-too-large") => {
+                return Verdict::DeadLetter("the message is over server.max_body_bytes".into());
+            }
+            _ => {}
+        }
+        if crate::idempotency::engine::is_stored(status) {
+            // A recordable outcome whose write has not landed yet: the
+            // holder keeps writing, and the next try finds the record.
+            return wait;
+        }
+        let failures = self.count_failure(key);
+        if failures >= self.settings.max_deliveries {
+            return Verdict::DeadLetter(format!(
+                "the upstream failed {failures} time(s), the last with {}",
+                status.as_u16()
+            ));
+        }
+        retry
+    }
+
+    fn count_failure(&self, key: &str) -> u32 {
+        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if failures.len() >= MAX_TRACKED_FAILURES && !failures.contains_key(key) {
+            failures.clear();
+        }
+        let count = failures.entry(key.to_owned()).or_default();
+        *count += 1;
+        *count
+    }
+
+    fn failures_of(&self, key: &str) -> u32 {
+        self.failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn forget(&self, key: &str) {
+        self.failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
+    }
+}
+
+/// The key is the message's, read before the engine runs.
+#[derive(Clone)]
+struct MessagePolicy {
+    key: String,
+}
+
+impl Policy for MessagePolicy {
+    const LAYER: &'static str = "consumer";
+
+    fn key_in_head(&self, _parts: &Parts, _scope: &str) -> Result<Head, Problem> {
+        Ok(Head::Key(self.key.clone()))
+    }
+
+    fn record_key(&self, _client_scope: String, route: &str, key: String) -> RecordKey {
+        RecordKey::new(CONSUMER_SCOPE, route, key)
+    }
+}
+
+/// The running consumers of a gateway.
+pub struct Consumers {
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Consumers {
+    /// Starts one task per consumer; each stops consuming when `stop` is
+    /// cancelled and finishes what it holds within its grace.
+    pub fn spawn(deliverers: Vec<Arc<Deliverer>>, stop: CancellationToken) -> Self {
+        let tasks = deliverers
+            .into_iter()
+            .map(|d| {
+                let signal = stop.clone();
+                tokio::spawn(async move {
+                    match d.settings().source.clone() {
+                        Source::Amqp {
+                            url,
+                            queue,
+                            dead_letter,
+                        } => amqp::run(d, url, queue, dead_letter, signal).await,
+                        Source::Nats {
+                            url,
+                            stream,
+                            durable,
+                            dead_letter,
+                        } => nats::run(d, url, stream, durable, dead_letter, signal).await,
+                    }
+                })
+            })
+            .collect();
+        Consumers { tasks }
+    }
+
+    /// Waits for every consumer to stop.
+    pub async fn join(self) {
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// The reconnect pause after `failures` failed attempts in a row.
+pub(crate) fn backoff(failures: u32) -> Duration {
+    RECONNECT_START
+        .saturating_mul(1 << failures.min(16))
+        .min(RECONNECT_MAX)
+}
+
+use crate::error::redact_url as redact;

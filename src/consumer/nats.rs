@@ -1,0 +1,347 @@
+//! NATS JetStream (`async-nats`): a durable pull consumer with explicit
+//! acks, `prefetch` unacknowledged messages at most (`max_ack_pending`).
+//!
+//! - The stream is the application's and must exist; the durable consumer
+//!   is created if absent, with unlimited deliveries (Idemgate decides when
+//!   a message is dead-lettered: store outages do not count).
+//! - Acks are double acks: the server confirms each one, so "acknowledged"
+//!   means the server will not deliver the message again.
+//! - Retries are naks with `retry_delay`; the server delivers again after
+//!   it. Dead letters are published to `dead_letter` (default
+//!   `<stream>.dlq`), captured by a stream `<stream>_dlq` that Idemgate
+//!   creates (or any stream that already captures it, never the source
+//!   stream), and the original is acknowledged only after JetStream stored
+//!   the copy.
+//! - A lost server ends the session (missed heartbeats or a failed
+//!   request); a new client connects with backoff.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind, consumer::pull};
+use futures_util::StreamExt;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::{Deliverer, Message, Verdict, backoff, redact};
+
+/// The shortest ack wait: the server delivers an unacknowledged message
+/// again after it (a holder may still run, and its claim answers the copy).
+const MIN_ACK_WAIT: Duration = Duration::from_secs(30);
+
+type Failure = Box<dyn std::error::Error + Send + Sync>;
+
+/// Runs the consumer until `stop`, reconnecting with backoff.
+pub(super) async fn run(
+    d: Arc<Deliverer>,
+    url: String,
+    stream: String,
+    durable: String,
+    dead_letters: String,
+    stop: CancellationToken,
+) {
+    let name = d.settings().name.clone();
+    let mut failures = 0u32;
+    loop {
+        let ended = session(
+            &d,
+            &url,
+            &stream,
+            &durable,
+            &dead_letters,
+            &stop,
+            &mut failures,
+        )
+        .await;
+        if stop.is_cancelled() {
+            return;
+        }
+        let why = match ended {
+            Ok(()) => "the message stream ended".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        d.counters().set_disconnected(why.clone());
+        let pause = backoff(failures);
+        failures = failures.saturating_add(1);
+        // The first failure in a row is a warning, then about one a
+        // minute: a broker that is down for hours must not flood the log.
+        if failures == 1 || failures.is_multiple_of(12) {
+            tracing::warn!(consumer = %name, broker = %redact(&url), stream = %stream, error = %why, retry_in = ?pause, layer = "consumer", "broker unreachable or connection lost; reconnecting");
+        } else {
+            tracing::debug!(consumer = %name, error = %why, retry_in = ?pause, layer = "consumer", "reconnecting");
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+async fn session(
+    d: &Arc<Deliverer>,
+    url: &str,
+    stream_name: &str,
+    durable: &str,
+    dead_letters: &str,
+    stop: &CancellationToken,
+    failures: &mut u32,
+) -> Result<(), Failure> {
+    let settings = d.settings();
+    let client = async_nats::ConnectOptions::new()
+        .name(format!("idemgate {}", settings.name))
+        .connection_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await?;
+    let js = jetstream::new(client.clone());
+    let stream = js.get_stream(stream_name).await?;
+    let captured = &stream.cached_info().config.subjects;
+    if captured
+        .iter()
+        .any(|pattern| subject_matches(pattern, dead_letters))
+    {
+        // The copy would land in the stream it came from, and be consumed
+        // (and dead-lettered) again, forever.
+        return Err(format!(
+            "stream {stream_name} captures its own dead-letter subject {dead_letters:?} \
+             (subjects {captured:?}); set dead_letter to a subject outside it"
+        )
+        .into());
+    }
+    // A stream of Idemgate's own keeps the dead letters, unless one
+    // already captures the subject.
+    let dlq_stream = format!("{stream_name}_dlq");
+    if let Err(e) = js
+        .get_or_create_stream(jetstream::stream::Config {
+            name: dlq_stream.clone(),
+            subjects: vec![dead_letters.to_owned()],
+            ..Default::default()
+        })
+        .await
+    {
+        js.stream_by_subject(dead_letters).await.map_err(|_| {
+            format!(
+                "the dead-letter stream {dlq_stream} on {dead_letters:?} cannot be created: {e}"
+            )
+        })?;
+    }
+    let ack_wait = MIN_ACK_WAIT.max(settings.upstream_timeout * 2);
+    let consumer = stream
+        .get_or_create_consumer(
+            durable,
+            pull::Config {
+                durable_name: Some(durable.to_owned()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait,
+                max_deliver: -1,
+                max_ack_pending: i64::from(settings.prefetch),
+                ..Default::default()
+            },
+        )
+        .await?;
+    // A durable made before (by hand, or by an older config) keeps its own
+    // settings: one that stops redelivering, or does not wait for acks,
+    // would strand or lose messages.
+    let existing = &consumer.cached_info().config;
+    if existing.ack_policy != jetstream::consumer::AckPolicy::Explicit {
+        return Err(format!(
+            "durable {durable:?} does not use explicit acks; delete it or fix its ack policy"
+        )
+        .into());
+    }
+    if existing.max_deliver > 0 {
+        return Err(format!(
+            "durable {durable:?} stops after {} deliveries, which would strand messages during a \
+             store outage; Idemgate dead-letters by itself (set max_deliver to -1)",
+            existing.max_deliver
+        )
+        .into());
+    }
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(usize::from(settings.prefetch))
+        .heartbeat(Duration::from_secs(5))
+        .messages()
+        .await?;
+    d.counters().set_connected();
+    *failures = 0;
+    tracing::info!(consumer = %settings.name, broker = %redact(url), stream = %stream_name, durable = %durable, prefetch = settings.prefetch, layer = "consumer", "consuming");
+
+    let mut running = JoinSet::new();
+    let ended: Result<(), Failure> = loop {
+        tokio::select! {
+            _ = stop.cancelled() => break Ok(()),
+            next = messages.next() => match next {
+                Some(Ok(message)) => {
+                    let d = d.clone();
+                    let js = js.clone();
+                    let stop = stop.clone();
+                    let subject = dead_letters.to_owned();
+                    running.spawn(async move { handle(&d, &js, &subject, message, &stop).await });
+                }
+                Some(Err(e)) => break Err(e.into()),
+                None => break Ok(()),
+            },
+            Some(_) = running.join_next(), if !running.is_empty() => {}
+        }
+    };
+    drop(messages);
+    if stop.is_cancelled() {
+        let finish = async { while running.join_next().await.is_some() {} };
+        if tokio::time::timeout(settings.shutdown_grace, finish)
+            .await
+            .is_err()
+        {
+            tracing::warn!(consumer = %settings.name, left = running.len(), layer = "consumer", "shutdown grace over; unacknowledged messages are delivered again");
+        }
+        let _ = client.drain().await;
+        return Ok(());
+    }
+    running.detach_all();
+    ended
+}
+
+async fn handle(
+    d: &Deliverer,
+    js: &jetstream::Context,
+    dead_letters: &str,
+    message: jetstream::Message,
+    stop: &CancellationToken,
+) {
+    let view = to_message(&message);
+    // While it is tried again here, the ack deadline is pushed back.
+    let verdict = d
+        .decide(&view, stop, || async {
+            let _ = message.ack_with(AckKind::Progress).await;
+        })
+        .await;
+    let nak = |delay: Duration| {
+        let delay = (!stop.is_cancelled()).then_some(delay);
+        message.ack_with(AckKind::Nak(delay))
+    };
+    let done: Result<(), Failure> = match &verdict {
+        Verdict::Ack(_) => message.double_ack().await,
+        Verdict::Retry(delay) | Verdict::Wait(delay) => nak(*delay).await,
+        Verdict::DeadLetter(reason) => {
+            match dead_letter(d, js, dead_letters, &message, reason).await {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    // Not stored: back after the delay, failure count kept.
+                    let _ = nak(d.settings().retry_delay).await;
+                    Err(e)
+                }
+            }
+        }
+    };
+    d.settled(&view, &verdict, done.map_err(|e| e.to_string()));
+}
+
+async fn dead_letter(
+    d: &Deliverer,
+    js: &jetstream::Context,
+    subject: &str,
+    message: &jetstream::Message,
+    reason: &str,
+) -> Result<(), Failure> {
+    // The original's headers, minus JetStream's own (`Nats-Expected-*`,
+    // `Nats-TTL`, `Nats-Rollup` … would refuse, expire or purge the copy).
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, values) in message.headers.iter().flat_map(|h| h.iter()) {
+        if name.to_string().to_ascii_lowercase().starts_with("nats-") {
+            continue;
+        }
+        for value in values {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    // JetStream's own de-duplication must not swallow the copy.
+    headers.insert("Nats-Msg-Id", format!("dlq-{}", uuid::Uuid::now_v7()));
+    headers.insert("Idemgate-Reason", sanitize(reason));
+    headers.insert("Idemgate-Consumer", d.settings().name.to_string());
+    headers.insert("Idemgate-Subject", message.subject.to_string());
+    if let Some(id) = message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
+        headers.insert("Idemgate-Msg-Id", id.as_str());
+    }
+    js.publish_with_headers(subject.to_owned(), headers, message.payload.clone())
+        .await?
+        .await?;
+    message.double_ack().await
+}
+
+/// A header value holds no line breaks.
+fn sanitize(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
+}
+
+/// Where a stream's dead letters go unless `dead_letter` says otherwise.
+pub fn default_dead_letter_subject(stream: &str) -> String {
+    format!("{stream}.dlq")
+}
+
+/// Whether a stream subject pattern (`a.*.c`, `a.>`) captures `subject`.
+fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut pattern = pattern.split('.');
+    let mut subject = subject.split('.');
+    loop {
+        match (pattern.next(), subject.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(p), Some(s)) if p == s => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+fn to_message(message: &jetstream::Message) -> Message {
+    let mut headers = Vec::new();
+    let mut id = None;
+    if let Some(map) = &message.headers {
+        for (name, values) in map.iter() {
+            let name = name.to_string();
+            if let [single] = values.as_slice() {
+                if name.eq_ignore_ascii_case("Nats-Msg-Id") {
+                    id = Some(single.as_str().to_owned());
+                }
+                headers.push((name, Ok(single.as_str().to_owned())));
+            } else {
+                headers.push((name, Err("sent more than once".to_owned())));
+            }
+        }
+    }
+    let content_type = headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case("content-type"))
+        .and_then(|(_, v)| v.clone().ok());
+    let delivery_count = message
+        .info()
+        .ok()
+        .and_then(|info| u64::try_from(info.delivered).ok())
+        .unwrap_or(0);
+    Message {
+        id,
+        topic: message.subject.to_string(),
+        headers,
+        content_type,
+        body: message.payload.clone(),
+        delivery_count,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_matches;
+
+    #[test]
+    fn subject_patterns_match_as_jetstream_does() {
+        assert!(subject_matches("ORDERS.>", "ORDERS.dlq"));
+        assert!(subject_matches("ORDERS.*", "ORDERS.dlq"));
+        assert!(subject_matches(">", "ORDERS.dlq"));
+        assert!(subject_matches("ORDERS.dlq", "ORDERS.dlq"));
+        assert!(!subject_matches("orders.>", "ORDERS.dlq"));
+        assert!(!subject_matches("ORDERS.*", "ORDERS.dlq.x"));
+        assert!(!subject_matches("ORDERS.>", "ORDERS"));
+        assert!(!subject_matches("ORDERS.in.>", "ORDERS.dlq"));
+    }
+}

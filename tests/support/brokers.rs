@@ -1,0 +1,368 @@
+//! Real brokers for the consumer tests: the shared RabbitMQ and NATS
+//! JetStream (a unique queue / stream per test), and private nats-server
+//! instances on free ports for restart tests.
+#![allow(dead_code, unreachable_pub)]
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use async_nats::jetstream;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+use super::services::missing;
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// A queue of this test's own on the shared RabbitMQ, and a channel to
+/// publish to it with confirms.
+pub struct Queue {
+    pub url: String,
+    pub name: String,
+    channel: Channel,
+    _connection: Connection,
+}
+
+impl Queue {
+    /// Declares a fresh durable queue (and forgets its dead-letter queue).
+    pub async fn new(test: &str) -> Option<Queue> {
+        let url = std::env::var("IDEMGATE_TEST_AMQP_URL").unwrap_or_else(|_| AMQP_URL.into());
+        let connect = Connection::connect(&url, ConnectionProperties::default());
+        let connection = match tokio::time::timeout(Duration::from_secs(5), connect).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                missing("RabbitMQ", test, &e.to_string());
+                return None;
+            }
+            Err(_) => {
+                missing("RabbitMQ", test, "connect timed out");
+                return None;
+            }
+        };
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let name = format!("t.{test}.{}", uuid::Uuid::now_v7().simple());
+        channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        Some(Queue {
+            url,
+            name,
+            channel,
+            _connection: connection,
+        })
+    }
+
+    /// Publishes one persistent message, confirmed by the broker.
+    pub async fn publish(&self, id: Option<&str>, body: &[u8], headers: &[(&str, &str)]) {
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into());
+        if let Some(id) = id {
+            properties = properties.with_message_id(id.into());
+        }
+        if !headers.is_empty() {
+            let mut table = FieldTable::default();
+            for (k, v) in headers {
+                table.insert(
+                    (*k).into(),
+                    AMQPValue::LongString(LongString::from(v.to_string())),
+                );
+            }
+            properties = properties.with_headers(table);
+        }
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                self.name.as_str().into(),
+                BasicPublishOptions::default(),
+                body,
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack(), "the broker refused a test message");
+    }
+
+    /// Messages ready in a queue (not those delivered and unacked).
+    pub async fn ready(&self, queue: &str) -> u32 {
+        // A channel of its own: a passive declare of a missing queue
+        // closes the channel it is sent on.
+        let channel = self._connection.create_channel().await.unwrap();
+        let count = channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map(|q| q.message_count())
+            .unwrap_or(0);
+        let _ = channel.close(200, "".into()).await;
+        count
+    }
+
+    /// Whether a queue exists (a passive declare on a channel of its own:
+    /// a refusal closes the channel).
+    pub async fn exists(&self, queue: &str) -> bool {
+        let channel = self._connection.create_channel().await.unwrap();
+        channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .is_ok()
+    }
+
+    /// Deletes a queue.
+    pub async fn delete(&self, queue: &str) {
+        self.channel
+            .queue_delete(queue.into(), lapin::options::QueueDeleteOptions::default())
+            .await
+            .unwrap();
+    }
+
+    /// Declares a durable queue.
+    pub async fn declare(&self, queue: &str) {
+        self.channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// Takes one message from a queue, if any (acknowledged).
+    pub async fn take(&self, queue: &str) -> Option<lapin::message::BasicGetMessage> {
+        self.channel
+            .basic_get(
+                queue.into(),
+                lapin::options::BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+    }
+
+    /// The dead-letter queue's name.
+    pub fn dlq(&self) -> String {
+        format!("{}.dlq", self.name)
+    }
+
+    /// The consumer TOML for this queue.
+    pub fn consumer(&self, name: &str, path: &str, extra: &str) -> String {
+        consumer_toml(
+            name,
+            &self.url,
+            &format!("queue = \"{}\"", self.name),
+            path,
+            extra,
+        )
+    }
+}
+
+/// `[[consumers]]` TOML.
+pub fn consumer_toml(name: &str, source: &str, from: &str, path: &str, extra: &str) -> String {
+    format!(
+        r#"
+        [[consumers]]
+        name = "{name}"
+        source = "{source}"
+        {from}
+        upstream = "demo"
+        path = "{path}"
+        retry_delay = "100ms"
+        {extra}
+        "#
+    )
+}
+
+/// A stream of this test's own on a NATS server.
+pub struct Stream {
+    pub url: String,
+    pub name: String,
+    pub js: jetstream::Context,
+}
+
+impl Stream {
+    /// A fresh file-backed stream on `subject.>` at `url` (the shared
+    /// server when `None`).
+    pub async fn new(test: &str, url: Option<&str>) -> Option<Stream> {
+        let url = url.map(str::to_owned).unwrap_or_else(|| {
+            std::env::var("IDEMGATE_TEST_NATS_URL").unwrap_or_else(|_| NATS_URL.into())
+        });
+        let connect = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect(url.as_str());
+        let client = match tokio::time::timeout(Duration::from_secs(5), connect).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                missing("NATS", test, &e.to_string());
+                return None;
+            }
+            Err(_) => {
+                missing("NATS", test, "connect timed out");
+                return None;
+            }
+        };
+        let js = jetstream::new(client);
+        let name = format!(
+            "T_{}_{}",
+            test.replace(['.', '-'], "_"),
+            uuid::Uuid::now_v7().simple()
+        );
+        js.create_stream(jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{}.in.>", name.to_lowercase())],
+            storage: jetstream::stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        Some(Stream { url, name, js })
+    }
+
+    /// A subject the stream captures.
+    pub fn subject(&self, topic: &str) -> String {
+        format!("{}.in.{topic}", self.name.to_lowercase())
+    }
+
+    /// Publishes with headers, stored by JetStream.
+    pub async fn publish(&self, topic: &str, headers: &[(&str, &str)], body: &[u8]) {
+        let mut map = async_nats::HeaderMap::new();
+        for (k, v) in headers {
+            map.insert(*k, *v);
+        }
+        self.js
+            .publish_with_headers(
+                self.subject(topic),
+                map,
+                bytes::Bytes::copy_from_slice(body),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Messages stored in the dead-letter stream.
+    pub async fn dead_letters(&self) -> u64 {
+        match self.js.get_stream(format!("{}_dlq", self.name)).await {
+            Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+            Err(_) => 0,
+        }
+    }
+
+    /// The consumer TOML for this stream.
+    pub fn consumer(&self, name: &str, path: &str, extra: &str) -> String {
+        consumer_toml(
+            name,
+            &self.url,
+            &format!("stream = \"{}\"\n        durable = \"{name}\"", self.name),
+            path,
+            extra,
+        )
+    }
+}
+
+/// A nats-server of this test's own, with JetStream on a file store that
+/// survives its restarts.
+pub struct PrivateNats {
+    pub port: u16,
+    store: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl PrivateNats {
+    pub async fn start(test: &str) -> Option<PrivateNats> {
+        if Command::new("nats-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_err()
+        {
+            missing("nats-server", test, "not installed");
+            return None;
+        }
+        let port = super::dead_port();
+        let mut nats = PrivateNats {
+            port,
+            store: tempfile::tempdir().unwrap(),
+            child: None,
+        };
+        nats.spawn().await;
+        Some(nats)
+    }
+
+    async fn spawn(&mut self) {
+        let child = Command::new("nats-server")
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
+            .arg(self.store.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let up = super::eventually(Duration::from_secs(10), || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .is_ok()
+        })
+        .await;
+        assert!(up, "private nats-server did not come up");
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL) and starts it again on the same port and
+    /// store, after `down`.
+    pub async fn restart(&mut self, down: Duration) {
+        self.kill();
+        tokio::time::sleep(down).await;
+        self.spawn().await;
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
