@@ -18,6 +18,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
+pub use crate::router::{PathMatch, RouteMatcher};
+
 mod consumer;
 pub use consumer::{Broker, ConsumerConfig};
 
@@ -238,17 +240,7 @@ pub struct SignatureConfig {
     pub tolerance: HumanDuration,
 }
 
-/// `signature.scheme`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum SignatureScheme {
-    /// `webhook-id`, `webhook-timestamp`, `webhook-signature: v1,<base64>`.
-    StandardWebhooks,
-    /// `Stripe-Signature: t=…,v1=<hex>`.
-    Stripe,
-    /// Hex HMAC-SHA256 of the raw body in `header`.
-    HmacSha256,
-}
+pub use crate::callback::SignatureScheme;
 
 /// `kind`: how a route's callers behave.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -269,30 +261,13 @@ pub enum Idempotency {
     Token,
 }
 
-/// `on_concurrent`: what a duplicate gets while the first is in flight.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OnConcurrent {
-    #[default]
-    Reject,
-    Wait,
-}
+pub use crate::idempotency::OnConcurrent;
 
 impl fmt::Display for RouteKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             RouteKind::Sync => "sync",
             RouteKind::Callback => "callback",
-        })
-    }
-}
-
-impl fmt::Display for SignatureScheme {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            SignatureScheme::StandardWebhooks => "standard-webhooks",
-            SignatureScheme::Stripe => "stripe",
-            SignatureScheme::HmacSha256 => "hmac-sha256",
         })
     }
 }
@@ -763,9 +738,9 @@ impl Config {
                     );
                 }
             }
-            match RouteMatcher::from_route(r) {
+            match r.matcher() {
                 Ok(m) => {
-                    if let Some(reserved) = m.reserved_overlap() {
+                    if let Some(reserved) = m.reserved_overlap(RESERVED_PATHS) {
                         add(
                             key("path"),
                             format!(
@@ -970,6 +945,62 @@ impl Config {
     }
 }
 
+impl Config {
+    /// A metrics registry with a series for each route, upstream and
+    /// consumer of this file.
+    pub fn metrics(&self) -> crate::metrics::Metrics {
+        crate::metrics::Metrics::new(
+            self.routes.iter().map(|r| r.name.as_str()),
+            self.upstreams.iter().map(|u| u.name.as_str()),
+            self.consumers.iter().map(|c| c.name.as_str()),
+        )
+    }
+}
+
+impl StoreConfig {
+    /// What the store is opened from.
+    pub fn options(&self) -> crate::store::StoreOptions {
+        crate::store::StoreOptions {
+            database_url: self.database_url.clone(),
+            redis_url: self.redis_url.clone(),
+            redis_prefix: self.redis_prefix.clone(),
+            pool_size: self.pool_size,
+            timeout: self.timeout.get(),
+            lease: self.lease.get(),
+            retention: self.retention.get(),
+            fast_layer_budget: self.fast_layer_budget.get(),
+        }
+    }
+}
+
+impl SignatureConfig {
+    /// What the callback layer builds its verifier from.
+    pub fn spec(&self) -> crate::callback::SignatureSpec<'_> {
+        crate::callback::SignatureSpec {
+            scheme: self.scheme,
+            secrets: &self.secrets,
+            secrets_env: self.secrets_env.as_deref(),
+            header: self.header.as_deref(),
+            tolerance: self.tolerance.get(),
+        }
+    }
+}
+
+impl UpstreamConfig {
+    /// What the proxy builds this upstream from.
+    pub fn spec(&self) -> crate::proxy::UpstreamSpec<'_> {
+        crate::proxy::UpstreamSpec {
+            name: &self.name,
+            url: &self.url,
+            timeout: self.timeout.get(),
+            ca_file: self.ca_file.as_deref(),
+            client_cert: self.client_cert.as_deref(),
+            client_key: self.client_key.as_deref(),
+            http2: self.http2,
+        }
+    }
+}
+
 impl RouteConfig {
     /// The policy this route runs under.
     pub fn idempotency(&self) -> Idempotency {
@@ -1038,105 +1069,16 @@ fn check_server_tls(server: &ServerConfig) -> Result<(), (String, String)> {
     .map_err(|e| (e.key.clone(), e.to_string()))
 }
 
-// === impl RouteMatcher ===
+// === impl RouteConfig (matcher) ===
 
-/// Which requests a route takes: a method set and an exact path or prefix.
-#[derive(Debug, Clone)]
-pub struct RouteMatcher {
-    /// Empty means every method.
-    pub methods: Vec<http::Method>,
-    pub path: PathMatch,
-}
-
-/// The path half of a [`RouteMatcher`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PathMatch {
-    Exact(String),
-    Prefix(String),
-}
-
-impl RouteMatcher {
-    /// Builds the matcher of a route, or says why its paths are wrong.
-    pub fn from_route(r: &RouteConfig) -> Result<RouteMatcher, String> {
-        let path = match (&r.path, &r.path_prefix) {
-            (Some(p), None) => PathMatch::Exact(p.clone()),
-            (None, Some(p)) => PathMatch::Prefix(p.clone()),
-            (Some(_), Some(_)) => {
-                return Err("set either path or path_prefix, not both".into());
-            }
-            (None, None) => return Err("set path (exact) or path_prefix".into()),
-        };
-        let text = match &path {
-            PathMatch::Exact(p) | PathMatch::Prefix(p) => p,
-        };
-        if !text.starts_with('/') || text.contains(['?', '#', ' ']) {
-            return Err(format!(
-                "{text:?} must start with '/' and hold no query, fragment or space"
-            ));
-        }
-        let methods = r
-            .methods
-            .iter()
-            .filter_map(|m| m.parse::<http::Method>().ok())
-            .collect();
-        Ok(RouteMatcher { methods, path })
-    }
-
-    /// Whether this route takes a request for `path`.
-    pub fn matches_path(&self, path: &str) -> bool {
-        match &self.path {
-            PathMatch::Exact(p) => p == path,
-            PathMatch::Prefix(p) => path.starts_with(p.as_str()),
-        }
-    }
-
-    /// Whether this route takes `method`.
-    pub fn matches_method(&self, method: &http::Method) -> bool {
-        self.methods.is_empty() || self.methods.contains(method)
-    }
-
-    fn overlaps(&self, other: &RouteMatcher) -> bool {
-        let methods_meet = self.methods.is_empty()
-            || other.methods.is_empty()
-            || self.methods.iter().any(|m| other.methods.contains(m));
-        let paths_meet = match (&self.path, &other.path) {
-            (PathMatch::Exact(a), PathMatch::Exact(b)) => a == b,
-            (PathMatch::Exact(e), PathMatch::Prefix(p))
-            | (PathMatch::Prefix(p), PathMatch::Exact(e)) => e.starts_with(p.as_str()),
-            (PathMatch::Prefix(a), PathMatch::Prefix(b)) => {
-                a.starts_with(b.as_str()) || b.starts_with(a.as_str())
-            }
-        };
-        methods_meet && paths_meet
-    }
-
-    /// A route may not be a reserved path or live under one. A shorter
-    /// prefix (`/`) may cover it: the gateway answers the reserved path
-    /// first, and the route takes everything else.
-    fn reserved_overlap(&self) -> Option<&'static str> {
-        RESERVED_PATHS
-            .iter()
-            .copied()
-            .find(|reserved| match &self.path {
-                PathMatch::Exact(p) | PathMatch::Prefix(p) => p.starts_with(reserved),
-            })
-    }
-
-    /// `POST /orders` or `* /orders/…`, for tables and messages.
-    pub fn describe(&self) -> String {
-        let methods = if self.methods.is_empty() {
-            "*".to_owned()
-        } else {
-            self.methods
-                .iter()
-                .map(|m| m.as_str())
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        match &self.path {
-            PathMatch::Exact(p) => format!("{methods} {p}"),
-            PathMatch::Prefix(p) => format!("{methods} {p}…"),
-        }
+impl RouteConfig {
+    /// The route's matcher, or why its paths are wrong.
+    pub fn matcher(&self) -> Result<RouteMatcher, String> {
+        RouteMatcher::new(
+            &self.methods,
+            self.path.as_deref(),
+            self.path_prefix.as_deref(),
+        )
     }
 }
 

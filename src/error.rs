@@ -1,8 +1,10 @@
-//! The one place where errors become HTTP answers.
+//! The one `Problem` type every error becomes as an HTTP answer.
 //!
-//! Every module keeps its own error enum; this module maps each of them to an
-//! RFC 9457 `application/problem+json` response whose `type` names the reason
-//! (`urn:idemgate:problem:<reason>`, listed in `docs/problems.md`). The client
+//! Every module keeps its own error enum and maps it to a [`Problem`] next
+//! to it (`impl From<&ProxyError> for Problem` lives in the proxy): an RFC
+//! 9457 `application/problem+json` response whose `type` names the reason
+//! (`urn:idemgate:problem:<reason>`, listed in `docs/problems.md`). This
+//! module depends on no other part of the crate. The client
 //! gets a safe `detail`; the internal cause travels as a [`ProblemLog`]
 //! response extension and is logged once, with the route, by the router.
 
@@ -144,144 +146,6 @@ pub struct ProblemReason(pub &'static str);
 impl axum::response::IntoResponse for Problem {
     fn into_response(self) -> axum::response::Response {
         Problem::into_response(self)
-    }
-}
-
-// === the catalogue: every module's errors, mapped here ===
-
-impl From<&crate::proxy::ProxyError> for Problem {
-    fn from(e: &crate::proxy::ProxyError) -> Self {
-        use crate::proxy::ProxyError as E;
-        let p = match e {
-            E::Connect(_) => Problem::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream-unavailable",
-                "The upstream service could not be reached",
-            ),
-            E::Tls { .. } => Problem::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream-tls",
-                "The upstream's TLS certificate was not trusted, or the TLS handshake failed",
-            )
-            .detail("nothing was sent upstream; the request can be retried"),
-            E::Timeout(_) => Problem::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "upstream-timeout",
-                "The upstream service did not answer in time",
-            ),
-            E::Broken { .. } => Problem::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream-broken",
-                "The upstream connection failed before a complete answer",
-            ),
-            E::BodyTooLarge { limit } => Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body-too-large",
-                "The request body is larger than the gateway accepts",
-            )
-            .detail(format!(
-                "request bodies are limited to {limit} bytes; nothing was forwarded"
-            )),
-            E::BadRequestBody(_) => Problem::new(
-                StatusCode::BAD_REQUEST,
-                "bad-request-body",
-                "The request body could not be read",
-            ),
-        };
-        p.logged("proxy", e.to_string())
-    }
-}
-
-impl From<&crate::router::RouteError> for Problem {
-    fn from(e: &crate::router::RouteError) -> Self {
-        use crate::router::RouteError as E;
-        match e {
-            E::NotFound => Problem::new(
-                StatusCode::NOT_FOUND,
-                "route-not-found",
-                "No route matches this path",
-            ),
-            E::MethodNotAllowed { allow } => Problem::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method-not-allowed",
-                "This route does not take this method",
-            )
-            .allow(allow.clone()),
-            E::InvalidPath => Problem::new(
-                StatusCode::BAD_REQUEST,
-                "invalid-path",
-                "The request path could be read as a different path",
-            )
-            .detail("dot segments in any encoding, empty segments ('//'), ';', raw or encoded backslashes, encoded slashes and '%25' are refused so that no route can be reached through another"),
-            E::AmbiguousFraming => Problem::new(
-                StatusCode::BAD_REQUEST,
-                "ambiguous-framing",
-                "The request has both Content-Length and Transfer-Encoding",
-            )
-            .detail("send one framing header; the connection is closed"),
-        }
-    }
-}
-
-impl From<&crate::store::StoreError> for Problem {
-    fn from(e: &crate::store::StoreError) -> Self {
-        Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "The idempotency store cannot be reached",
-        )
-        .detail("the request was not forwarded; retry later with the same key")
-        .retry_after(1)
-        .logged("store", e.to_string())
-    }
-}
-
-impl From<&crate::idempotency::IdempotencyError> for Problem {
-    fn from(e: &crate::idempotency::IdempotencyError) -> Self {
-        use crate::idempotency::IdempotencyError as E;
-        match e {
-            E::BodyTooLarge { limit } => Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body-too-large",
-                "The request body is larger than the gateway accepts",
-            )
-            .detail(format!(
-                "request bodies are limited to {limit} bytes; nothing was forwarded or stored"
-            )),
-            E::BadBody(_) => Problem::new(
-                StatusCode::BAD_REQUEST,
-                "bad-request-body",
-                "The request body could not be read",
-            ),
-            E::BodyTimeout(after) => Problem::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body-timeout",
-                "The request body did not arrive in time",
-            )
-            .detail(format!(
-                "the whole body must arrive within {}s; nothing was forwarded or stored",
-                after.as_secs()
-            )),
-            E::Mismatch => Problem::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency-key-reused",
-                "This idempotency key was already used for a different request",
-            )
-            .detail("use a new key for a new request; a retry must repeat the same method, path, query and body"),
-            E::InFlight { retry_after } => Problem::new(
-                StatusCode::CONFLICT,
-                "request-in-flight",
-                "A request with this idempotency key is still being processed",
-            )
-            .detail(format!(
-                "retry later with the same key to receive its outcome; the claim is held for at most {}s more",
-                retry_after.as_secs_f64().ceil() as u64
-            ))
-            // The first request usually finishes in milliseconds; the lease
-            // only bounds a crashed holder. Ask for an early retry.
-            .retry_after(IN_FLIGHT_RETRY_AFTER_SECS),
-            E::Store(store) => Problem::from(store),
-        }
     }
 }
 

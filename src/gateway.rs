@@ -100,15 +100,21 @@ impl RunningGateway {
 /// runtime; each worker opens its own store connections on its own loop
 /// (see [`crate::store::open_for_worker`]).
 pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
-    let admin = server::bind(&config.server.admin_listen, "server.admin_listen").await?;
+    let admin = tokio::net::TcpListener::bind(&config.server.admin_listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            key: "server.admin_listen",
+            addr: config.server.admin_listen.clone(),
+            source,
+        })?;
     let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
         key: "server.admin_listen",
         addr: config.server.admin_listen.clone(),
         source,
     })?;
 
-    let metrics = Arc::new(Metrics::new(&config));
-    let (store, memory) = crate::store::open(&config.store, metrics.clone())
+    let metrics = Arc::new(config.metrics());
+    let (store, memory) = crate::store::open(&config.store.options(), metrics.clone())
         .await
         .map_err(|source| StartError::Store {
             url: redact(&config.store.database_url),
@@ -134,7 +140,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     // their PEM files (and the system roots) here, not once per worker.
     let mut upstreams = std::collections::HashMap::new();
     for u in &config.upstreams {
-        let upstream = Upstream::from_config(u).map_err(|reason| StartError::Route {
+        let upstream = Upstream::new(u.spec()).map_err(|reason| StartError::Route {
             route: format!("upstream {}", u.name),
             reason,
         })?;
@@ -344,7 +350,7 @@ fn spawn_worker(
                 };
                 let bound = listener.local_addr().unwrap_or(addr);
                 let store = match crate::store::open_for_worker(
-                    &shared.config.store,
+                    &shared.config.store.options(),
                     &shared.store,
                     shared.memory.clone(),
                     shared.metrics.clone(),
@@ -577,7 +583,7 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
                 let verifier = r
                     .signature
                     .as_ref()
-                    .map(|sig| Verifier::from_config(sig, |name| std::env::var(name).ok()))
+                    .map(|sig| Verifier::new(sig.spec(), |name| std::env::var(name).ok()))
                     .transpose()
                     .map_err(fail)?;
                 Arc::new(TowerHandler(
@@ -588,7 +594,7 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
         };
         routes.push(Route {
             name: r.name.as_str().into(),
-            matcher: RouteMatcher::from_route(r).map_err(fail)?,
+            matcher: r.matcher().map_err(fail)?,
             service,
             counters: metrics.route(&r.name),
         });

@@ -25,13 +25,24 @@
 //! - [`callback`]: business keys and signatures for callback routes.
 //! - [`consumer`]: the MQ link — RabbitMQ and NATS JetStream consumers that
 //!   deliver each message to an upstream once, through the same engine.
-//! - [`error`]: the one place errors become `application/problem+json`.
+//! - [`error`]: the one `Problem` type (`application/problem+json`) that
+//!   each module maps its own errors to.
+//! - [`hop_by_hop`]: connection-specific headers, never forwarded or stored.
 //! - [`metrics`]: the Prometheus registry behind `/metrics`.
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/*`.
 //! - [`demo_upstream`]: the order/payment/coupon service the demo, tests and
 //!   load tests run against.
 //! - [`library`]: the layers as a library, for axum or any tower service
 //!   (see `examples/orders.rs`).
+//!
+//! The imports point one way (`tests/layering.rs` fails on a cycle): at the
+//! bottom `error`, `identity`, `request_id`, `hop_by_hop`, `tls`, `metrics`;
+//! then `store`; then `idempotency` (the engine); then the policies
+//! (`token`, `callback`), the `proxy` and the `consumer`; then `router`,
+//! `config`, `server`; on top `admin`, `gateway`, `library`, `demo`. A lower
+//! module that needs configuration takes its own options type
+//! (`store::StoreOptions`, `proxy::UpstreamSpec`,
+//! `callback::SignatureSpec`), which `config` builds.
 
 pub mod admin;
 pub mod callback;
@@ -41,6 +52,7 @@ pub mod demo;
 pub mod demo_upstream;
 pub mod error;
 pub mod gateway;
+pub mod hop_by_hop;
 pub mod idempotency;
 pub mod identity;
 pub mod library;

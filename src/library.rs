@@ -137,7 +137,7 @@ impl Builder {
     /// Call it inside a tokio runtime.
     pub async fn build(self) -> Result<Idempotency, StoreError> {
         let metrics = Arc::new(Metrics::default());
-        let (store, memory) = crate::store::open(&self.store, metrics.clone()).await?;
+        let (store, memory) = crate::store::open(&self.store.options(), metrics.clone()).await?;
         let sweeper = crate::store::sweep::spawn(
             store.sql().clone(),
             memory,

@@ -114,8 +114,8 @@ fn main() -> ExitCode {
 }
 
 async fn open_store(config: &Config) -> Result<idemgate::store::Store, String> {
-    let metrics = std::sync::Arc::new(idemgate::metrics::Metrics::new(config));
-    idemgate::store::open(&config.store, metrics)
+    let metrics = std::sync::Arc::new(config.metrics());
+    idemgate::store::open(&config.store.options(), metrics)
         .await
         .map(|(store, _)| store)
         .map_err(|e| e.to_string())

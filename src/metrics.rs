@@ -201,6 +201,12 @@ impl ConsumerCounters {
     }
 }
 
+/// Where `idemgate_worker_connections` comes from (the server's balance).
+pub trait WorkerConnections: Send + Sync + std::fmt::Debug {
+    /// Open connections per worker, in worker order.
+    fn open_connections(&self) -> Vec<usize>;
+}
+
 /// One gateway's metrics.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -214,29 +220,26 @@ pub struct Metrics {
     /// Latency of store operations as the engine sees them.
     pub store_latency: Histogram,
     /// Open client connections per worker thread (set once at start).
-    workers: std::sync::OnceLock<Arc<crate::server::balance::Balance>>,
+    workers: std::sync::OnceLock<Arc<dyn WorkerConnections>>,
 }
 
 impl Metrics {
-    /// A registry with one series per route and upstream of `config`.
-    pub fn new(config: &crate::config::Config) -> Self {
+    /// A registry with one series per route (and `token`), upstream and
+    /// consumer named.
+    pub fn new<'a>(
+        routes: impl IntoIterator<Item = &'a str>,
+        upstreams: impl IntoIterator<Item = &'a str>,
+        consumers: impl IntoIterator<Item = &'a str>,
+    ) -> Self {
+        fn series<'a, T: Default>(
+            names: impl Iterator<Item = &'a str>,
+        ) -> BTreeMap<String, Arc<T>> {
+            names.map(|n| (n.to_owned(), Arc::default())).collect()
+        }
         Metrics {
-            routes: config
-                .routes
-                .iter()
-                .map(|r| (r.name.clone(), Arc::default()))
-                .chain(std::iter::once(("token".to_owned(), Arc::default())))
-                .collect(),
-            upstreams: config
-                .upstreams
-                .iter()
-                .map(|u| (u.name.clone(), Arc::default()))
-                .collect(),
-            consumers: config
-                .consumers
-                .iter()
-                .map(|c| (c.name.clone(), Arc::default()))
-                .collect(),
+            routes: series(routes.into_iter().chain(std::iter::once("token"))),
+            upstreams: series(upstreams.into_iter()),
+            consumers: series(consumers.into_iter()),
             ..Default::default()
         }
     }
@@ -262,7 +265,7 @@ impl Metrics {
     }
 
     /// Where the per-worker connection counts come from.
-    pub fn set_worker_balance(&self, balance: Arc<crate::server::balance::Balance>) {
+    pub fn set_worker_balance(&self, balance: Arc<dyn WorkerConnections>) {
         let _ = self.workers.set(balance);
     }
 

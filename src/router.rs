@@ -25,10 +25,12 @@ use axum::body::Body;
 use http::{HeaderValue, Request, Response};
 use tower::{Service, ServiceExt};
 
-use crate::config::RouteMatcher;
+mod matcher;
+
 use crate::error::{Problem, ProblemLog, ProblemReason};
 use crate::metrics::{Outcome, RouteCounters};
 use crate::request_id::{self, X_REQUEST_ID};
+pub use matcher::{PathMatch, RouteMatcher};
 
 /// The future a [`Handler`] answers with.
 pub type HandlerFuture = Pin<Box<dyn Future<Output = Response<Body>> + Send>>;
@@ -335,6 +337,38 @@ impl Service<Request<Body>> for Router {
 
     fn call(&mut self, req: Request<Body>) -> RouterFuture {
         self.handle(req)
+    }
+}
+
+/// Its answer to the client: the one problem type every module maps to.
+impl From<&RouteError> for crate::error::Problem {
+    fn from(e: &RouteError) -> Self {
+        use RouteError as E;
+        match e {
+            E::NotFound => crate::error::Problem::new(
+                http::StatusCode::NOT_FOUND,
+                "route-not-found",
+                "No route matches this path",
+            ),
+            E::MethodNotAllowed { allow } => crate::error::Problem::new(
+                http::StatusCode::METHOD_NOT_ALLOWED,
+                "method-not-allowed",
+                "This route does not take this method",
+            )
+            .allow(allow.clone()),
+            E::InvalidPath => crate::error::Problem::new(
+                http::StatusCode::BAD_REQUEST,
+                "invalid-path",
+                "The request path could be read as a different path",
+            )
+            .detail("dot segments in any encoding, empty segments ('//'), ';', raw or encoded backslashes, encoded slashes and '%25' are refused so that no route can be reached through another"),
+            E::AmbiguousFraming => crate::error::Problem::new(
+                http::StatusCode::BAD_REQUEST,
+                "ambiguous-framing",
+                "The request has both Content-Length and Transfer-Encoding",
+            )
+            .detail("send one framing header; the connection is closed"),
+        }
     }
 }
 

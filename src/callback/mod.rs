@@ -9,4 +9,4 @@ pub mod signature;
 
 pub use key::{KeyError, KeySource, MAX_KEY_BYTES, business_key, check_key_value, join_key_values};
 pub use policy::{CallbackPolicy, ROUTE_SCOPE};
-pub use signature::{SignatureError, Verifier};
+pub use signature::{SignatureError, SignatureScheme, SignatureSpec, Verifier};

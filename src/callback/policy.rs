@@ -46,11 +46,13 @@ impl Policy for CallbackPolicy {
         RecordKey::new(ROUTE_SCOPE, route, key)
     }
 
-    fn key_in_head(&self, _parts: &Parts, _scope: &str) -> Result<Head, Problem> {
-        Ok(Head::FromBody)
+    type BodyKey = ();
+
+    fn key_in_head(&self, _parts: &Parts, _scope: &str) -> Result<Head<()>, Problem> {
+        Ok(Head::FromBody(()))
     }
 
-    fn key_in_body(&self, parts: &Parts, body: &Bytes) -> Result<String, Problem> {
+    fn key_in_body(&self, (): (), parts: &Parts, body: &Bytes) -> Result<String, Problem> {
         // Signature first: an unauthenticated request must not even have
         // its key read, let alone stored.
         if let Some(verifier) = &self.verifier {

@@ -22,7 +22,41 @@ use hmac::{Hmac, Mac};
 use http::{HeaderMap, HeaderName};
 use sha2::Sha256;
 
-use crate::config::{SignatureConfig, SignatureScheme};
+/// `signature.scheme`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SignatureScheme {
+    /// `webhook-id`, `webhook-timestamp`, `webhook-signature: v1,<base64>`.
+    StandardWebhooks,
+    /// `Stripe-Signature: t=…,v1=<hex>`.
+    Stripe,
+    /// Hex HMAC-SHA256 of the raw body in `header`.
+    HmacSha256,
+}
+
+impl std::fmt::Display for SignatureScheme {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SignatureScheme::StandardWebhooks => "standard-webhooks",
+            SignatureScheme::Stripe => "stripe",
+            SignatureScheme::HmacSha256 => "hmac-sha256",
+        })
+    }
+}
+
+/// What a verifier is made from: a validated `[routes.signature]`.
+#[derive(Debug, Clone, Copy)]
+pub struct SignatureSpec<'a> {
+    pub scheme: SignatureScheme,
+    /// Secrets tried in turn (rotation).
+    pub secrets: &'a [String],
+    /// An environment variable with more secrets, comma-separated.
+    pub secrets_env: Option<&'a str>,
+    /// `hmac-sha256`: the header carrying the hex signature.
+    pub header: Option<&'a str>,
+    /// Timestamped schemes: how far the timestamp may be from now.
+    pub tolerance: Duration,
+}
 
 /// Why a signature was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,12 +86,12 @@ const STRIPE_SIGNATURE: &str = "stripe-signature";
 
 impl Verifier {
     /// Builds the verifier; `env` resolves `secrets_env`.
-    pub fn from_config(
-        config: &SignatureConfig,
+    pub fn new(
+        config: SignatureSpec<'_>,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Verifier, String> {
-        let mut secrets = config.secrets.clone();
-        if let Some(name) = &config.secrets_env {
+        let mut secrets = config.secrets.to_vec();
+        if let Some(name) = config.secrets_env {
             let value = env(name).filter(|v| !v.trim().is_empty()).ok_or_else(|| {
                 format!("signature.secrets_env: environment variable {name} is not set")
             })?;
@@ -83,7 +117,7 @@ impl Verifier {
                 _ => Ok(s.as_bytes().to_vec()),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let header = match (config.scheme, &config.header) {
+        let header = match (config.scheme, config.header) {
             (SignatureScheme::HmacSha256, Some(h)) => Some(
                 h.parse()
                     .map_err(|_| format!("signature.header: {h:?} is not a header name"))?,
@@ -97,7 +131,7 @@ impl Verifier {
             scheme: config.scheme,
             keys,
             header,
-            tolerance: config.tolerance.get(),
+            tolerance: config.tolerance,
         })
     }
 
@@ -204,34 +238,51 @@ pub fn sign_standard(secret: &[u8], id: &str, timestamp: i64, body: &[u8]) -> St
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::HumanDuration;
 
-    fn config(scheme: SignatureScheme, secrets: &[&str], env: Option<&str>) -> SignatureConfig {
-        SignatureConfig {
+    struct Owned {
+        scheme: SignatureScheme,
+        secrets: Vec<String>,
+        env: Option<String>,
+    }
+
+    impl Owned {
+        fn spec(&self) -> SignatureSpec<'_> {
+            SignatureSpec {
+                scheme: self.scheme,
+                secrets: &self.secrets,
+                secrets_env: self.env.as_deref(),
+                header: Some("x-sig"),
+                tolerance: Duration::from_secs(300),
+            }
+        }
+    }
+
+    fn config(scheme: SignatureScheme, secrets: &[&str], env: Option<&str>) -> Owned {
+        Owned {
             scheme,
             secrets: secrets.iter().map(|s| s.to_string()).collect(),
-            secrets_env: env.map(str::to_owned),
-            header: Some("x-sig".into()),
-            tolerance: HumanDuration::from("300s"),
+            env: env.map(str::to_owned),
         }
     }
 
     #[test]
     fn secrets_come_from_config_and_environment() {
         let cfg = config(SignatureScheme::HmacSha256, &["a"], Some("HOOK_SECRETS"));
-        let v = Verifier::from_config(&cfg, |name| (name == "HOOK_SECRETS").then(|| "b, c".into()))
-            .unwrap();
+        let v = Verifier::new(cfg.spec(), |name| {
+            (name == "HOOK_SECRETS").then(|| "b, c".into())
+        })
+        .unwrap();
         assert_eq!(v.keys, vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
-        let missing = Verifier::from_config(&cfg, |_| None).err().unwrap();
+        let missing = Verifier::new(cfg.spec(), |_| None).err().unwrap();
         assert!(missing.contains("HOOK_SECRETS"), "{missing}");
         let none = config(SignatureScheme::Stripe, &[], None);
-        assert!(Verifier::from_config(&none, |_| None).is_err());
+        assert!(Verifier::new(none.spec(), |_| None).is_err());
     }
 
     #[test]
     fn timestamps_are_checked_both_ways() {
-        let v = Verifier::from_config(&config(SignatureScheme::Stripe, &["k"], None), |_| None)
-            .unwrap();
+        let stripe = config(SignatureScheme::Stripe, &["k"], None);
+        let v = Verifier::new(stripe.spec(), |_| None).unwrap();
         let body = b"{}";
         let sign = |t: i64| {
             let mut h = HeaderMap::new();

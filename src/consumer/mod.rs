@@ -19,7 +19,7 @@
 //! - a message without a usable key, too large, or whose key was first used
 //!   for a different body: dead-lettered at once, never forwarded.
 //!
-//! [`amqp`] and [`nats`] own the broker connections: consuming, acks,
+//! `amqp` and `nats` own the broker connections: consuming, acks,
 //! dead-letter publishing, reconnecting with backoff, and the graceful stop.
 
 mod amqp;
@@ -34,6 +34,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
+use std::convert::Infallible;
+
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, Method, Request, Response, header};
@@ -411,6 +413,12 @@ struct MessagePolicy {
 
 impl Policy for MessagePolicy {
     const LAYER: &'static str = "consumer";
+
+    type BodyKey = Infallible;
+
+    fn key_in_body(&self, from: Infallible, _: &Parts, _: &Bytes) -> Result<String, Problem> {
+        match from {}
+    }
 
     fn key_in_head(&self, _parts: &Parts, _scope: &str) -> Result<Head, Problem> {
         Ok(Head::Key(self.key.clone()))

@@ -39,11 +39,10 @@ use super::body::{BodyError, read_and_fingerprint};
 use super::holder::{Holder, Holders, Outcome as Published};
 use super::layer::{Head, Policy};
 use super::{IDEMPOTENCY_KEY, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
-use crate::config::OnConcurrent;
 use crate::error::Problem;
+use crate::hop_by_hop::is_hop_by_hop;
 use crate::identity::scope_of;
 use crate::metrics::{Metrics, Outcome};
-use crate::proxy::is_hop_by_hop;
 use crate::request_id::X_REQUEST_ID;
 use crate::store::{Claim, RecordKey, StoreError, StoredResponse};
 
@@ -62,6 +61,18 @@ pub enum IdempotencyError {
     InFlight { retry_after: Duration },
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// `on_concurrent`: what a duplicate gets while the first is in flight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnConcurrent {
+    /// `409 request-in-flight`, with `Retry-After`.
+    #[default]
+    Reject,
+    /// Wait for the first request's outcome (at most the upstream's
+    /// timeout) and answer with it.
+    Wait,
 }
 
 /// Per-route settings of the engine.
@@ -129,7 +140,9 @@ impl Engine {
             Ok(Head::Bypass) => {
                 return forward_plain(inner, Request::from_parts(parts, body)).await;
             }
-            Ok(head) => head,
+            Ok(Head::Key(key)) => Keyed::Key(key),
+            Ok(Head::ReplayOnly { key, refusal }) => Keyed::ReplayOnly(key, refusal),
+            Ok(Head::FromBody(from)) => Keyed::FromBody(from),
             Err(problem) => {
                 return problem
                     .logged(P::LAYER, "refused before the store")
@@ -152,9 +165,9 @@ impl Engine {
             Err(_) => return self.refuse::<P>(IdempotencyError::BodyTimeout(deadline), None),
         };
         let (key, replay_only) = match head {
-            Head::Key(key) => (key, None),
-            Head::ReplayOnly { key, refusal } => (key, Some(refusal)),
-            Head::FromBody => match policy.key_in_body(&parts, &bytes) {
+            Keyed::Key(key) => (key, None),
+            Keyed::ReplayOnly(key, refusal) => (key, Some(refusal)),
+            Keyed::FromBody(from) => match policy.key_in_body(from, &parts, &bytes) {
                 Ok(key) => (key, None),
                 Err(problem) => {
                     return problem
@@ -162,9 +175,6 @@ impl Engine {
                         .into_response();
                 }
             },
-            Head::Bypass => {
-                return forward_plain(inner, Request::from_parts(parts, Body::from(bytes))).await;
-            }
         };
         let key = policy.record_key(scope, &self.settings.route, key);
         if let Some(refusal) = replay_only {
@@ -425,6 +435,14 @@ impl Engine {
     }
 }
 
+/// A protected request's key, as its head said: every [`Head`] but
+/// `Bypass`, which never reads the body.
+enum Keyed<B> {
+    Key(String),
+    ReplayOnly(String, Problem),
+    FromBody(B),
+}
+
 /// What identifies one request's claim.
 struct Ticket {
     key: RecordKey,
@@ -550,4 +568,54 @@ pub fn replay(stored: StoredResponse) -> Response<Body> {
     }
     response.extensions_mut().insert(Outcome::Replayed);
     response
+}
+
+/// Its answer to the client: the one problem type every module maps to.
+impl From<&IdempotencyError> for crate::error::Problem {
+    fn from(e: &IdempotencyError) -> Self {
+        use IdempotencyError as E;
+        match e {
+            E::BodyTooLarge { limit } => crate::error::Problem::new(
+                http::StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "The request body is larger than the gateway accepts",
+            )
+            .detail(format!(
+                "request bodies are limited to {limit} bytes; nothing was forwarded or stored"
+            )),
+            E::BadBody(_) => crate::error::Problem::new(
+                http::StatusCode::BAD_REQUEST,
+                "bad-request-body",
+                "The request body could not be read",
+            ),
+            E::BodyTimeout(after) => crate::error::Problem::new(
+                http::StatusCode::REQUEST_TIMEOUT,
+                "body-timeout",
+                "The request body did not arrive in time",
+            )
+            .detail(format!(
+                "the whole body must arrive within {}s; nothing was forwarded or stored",
+                after.as_secs()
+            )),
+            E::Mismatch => crate::error::Problem::new(
+                http::StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency-key-reused",
+                "This idempotency key was already used for a different request",
+            )
+            .detail("use a new key for a new request; a retry must repeat the same method, path, query and body"),
+            E::InFlight { retry_after } => crate::error::Problem::new(
+                http::StatusCode::CONFLICT,
+                "request-in-flight",
+                "A request with this idempotency key is still being processed",
+            )
+            .detail(format!(
+                "retry later with the same key to receive its outcome; the claim is held for at most {}s more",
+                retry_after.as_secs_f64().ceil() as u64
+            ))
+            // The first request usually finishes in milliseconds; the lease
+            // only bounds a crashed holder. Ask for an early retry.
+            .retry_after(crate::error::IN_FLIGHT_RETRY_AFTER_SECS),
+            E::Store(store) => crate::error::Problem::from(store),
+        }
+    }
 }

@@ -27,9 +27,9 @@ use http::{Request, Response, StatusCode};
 use tokio::sync::{Notify, watch};
 use tower::Service;
 
+use super::ForwardFailure;
 use super::body::{Captured, capture, chain};
 use crate::error::Problem;
-use crate::proxy::ForwardFailure;
 use crate::store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
 
 /// Pause before the first retry of a failed record write; it doubles.

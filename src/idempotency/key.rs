@@ -6,6 +6,9 @@
 //! the body is read, so a malformed key never reaches the store or a log
 //! unescaped.
 
+use std::convert::Infallible;
+
+use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, StatusCode};
 
@@ -86,6 +89,12 @@ pub struct KeyPolicy {
 
 impl Policy for KeyPolicy {
     const LAYER: &'static str = "key";
+
+    type BodyKey = Infallible;
+
+    fn key_in_body(&self, from: Infallible, _: &Parts, _: &Bytes) -> Result<String, Problem> {
+        match from {}
+    }
 
     fn key_in_head(&self, parts: &Parts, _scope: &str) -> Result<Head, Problem> {
         match parse_key(&parts.headers) {

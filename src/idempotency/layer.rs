@@ -16,16 +16,19 @@ use super::engine::Engine;
 use crate::error::Problem;
 use crate::store::RecordKey;
 
-/// What a policy read from the request head.
+/// What a policy read from the request head. `B` is what the policy hands
+/// to its own [`Policy::key_in_body`] when the key is in the body; policies
+/// that never read one use [`Infallible`], so `FromBody` cannot be built for
+/// them and no route can ask a policy for a body key it does not read.
 #[derive(Debug, Clone)]
-pub enum Head {
+pub enum Head<B = Infallible> {
     /// Protect the request under this key.
     Key(String),
     /// Forward without protection (a key route with `require_key = false`
     /// and no key).
     Bypass,
     /// The key is in the body: read it first ([`Policy::key_in_body`]).
-    FromBody,
+    FromBody(B),
     /// Only replay a finished outcome stored under this key; otherwise
     /// answer `refusal` (a used token past its expiry).
     ReplayOnly { key: String, refusal: Problem },
@@ -36,18 +39,23 @@ pub trait Policy: Clone + Send + Sync + 'static {
     /// The layer's name in logs (`key`, `token`, `callback`).
     const LAYER: &'static str;
 
+    /// What [`Head::FromBody`] carries to [`Policy::key_in_body`]:
+    /// [`Infallible`] for a policy whose key is never in the body.
+    type BodyKey: Send + 'static;
+
     /// Reads the key from the head, or refuses the request (4xx) before its
     /// body is read and before any store access.
-    fn key_in_head(&self, parts: &Parts, scope: &str) -> Result<Head, Problem>;
+    fn key_in_head(&self, parts: &Parts, scope: &str) -> Result<Head<Self::BodyKey>, Problem>;
 
-    /// Reads the key from the buffered body (callback routes).
-    fn key_in_body(&self, _parts: &Parts, _body: &Bytes) -> Result<String, Problem> {
-        Err(Problem::new(
-            http::StatusCode::INTERNAL_SERVER_ERROR,
-            "policy-error",
-            "This route's policy reads no body",
-        ))
-    }
+    /// Reads the key from the buffered body (callback routes), after the
+    /// head said [`Head::FromBody`]. A policy with `BodyKey = Infallible`
+    /// writes `match from {}`: it can never be called.
+    fn key_in_body(
+        &self,
+        from: Self::BodyKey,
+        parts: &Parts,
+        body: &Bytes,
+    ) -> Result<String, Problem>;
 
     /// Removes what must not reach the upstream (client credentials such as
     /// the one-time token).
@@ -162,7 +170,9 @@ mod tests {
             ..StoreConfig::default()
         };
         let metrics = Arc::new(Metrics::default());
-        let (store, _) = crate::store::open(&config, metrics.clone()).await.unwrap();
+        let (store, _) = crate::store::open(&config.options(), metrics.clone())
+            .await
+            .unwrap();
         let engine = Engine::new(
             store,
             EngineSettings {

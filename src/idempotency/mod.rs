@@ -21,10 +21,21 @@ pub mod holder;
 pub mod key;
 pub mod layer;
 
-pub use engine::{Engine, EngineSettings, IdempotencyError};
+pub use engine::{Engine, EngineSettings, IdempotencyError, OnConcurrent};
 pub use holder::Holders;
 pub use key::KeyPolicy;
 pub use layer::{Head, IdempotencyLayer, Policy};
+
+/// How a forward failed, set by the inner service (the proxy) on its error
+/// response, so that the holder knows what the failure means for a claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardFailure {
+    /// The upstream never received the request: safe to execute again.
+    NotSent,
+    /// The request may have reached the upstream, but no complete answer
+    /// came back (timeout, reset): the outcome is uncertain.
+    Uncertain,
+}
 
 /// `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");

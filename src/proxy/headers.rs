@@ -5,6 +5,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
+pub use crate::hop_by_hop::{HOP_BY_HOP, is_hop_by_hop};
+
 /// The peer a request came from (a request extension set by the server),
 /// with its address already formatted for `X-Forwarded-For`: formatted once
 /// per connection rather than once per request.
@@ -67,31 +69,6 @@ fn ipv4_text(octets: [u8; 4], out: &mut [u8; 15]) -> usize {
         len += 1;
     }
     len
-}
-
-/// Headers that describe one connection, never the message (RFC 9110 §7.6.1).
-pub static HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::PROXY_AUTHORIZATION,
-];
-
-/// Whether `name` is one of [`HOP_BY_HOP`]. Spelled out rather than
-/// searched: it runs for every header of every request and answer, and
-/// comparing against standard names is a tag comparison.
-pub fn is_hop_by_hop(name: &HeaderName) -> bool {
-    *name == header::CONNECTION
-        || *name == header::TE
-        || *name == header::TRAILER
-        || *name == header::TRANSFER_ENCODING
-        || *name == header::UPGRADE
-        || *name == header::PROXY_AUTHORIZATION
-        || matches!(name.as_str(), "keep-alive" | "proxy-connection")
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");

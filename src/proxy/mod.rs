@@ -22,4 +22,4 @@ mod service;
 
 pub use headers::{ClientAddr, HOP_BY_HOP, is_hop_by_hop};
 pub use pool::{Pool, PoolOptions};
-pub use service::{ForwardFailure, Proxy, ProxyError, Upstream};
+pub use service::{ForwardFailure, Proxy, ProxyError, Upstream, UpstreamSpec};

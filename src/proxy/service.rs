@@ -31,10 +31,24 @@ pub struct Upstream {
     pub http2: bool,
 }
 
+/// What an upstream is made from: a validated `[[upstreams]]` entry.
+#[derive(Debug, Clone, Copy)]
+pub struct UpstreamSpec<'a> {
+    pub name: &'a str,
+    pub url: &'a str,
+    pub timeout: Duration,
+    /// `https://` only: PEM trust anchors instead of the system roots.
+    pub ca_file: Option<&'a str>,
+    /// `https://` only: the client certificate and key (mutual TLS).
+    pub client_cert: Option<&'a str>,
+    pub client_key: Option<&'a str>,
+    pub http2: bool,
+}
+
 impl Upstream {
     /// From a validated `[[upstreams]]` entry; reads its TLS files.
-    pub fn from_config(u: &crate::config::UpstreamConfig) -> Result<Upstream, String> {
-        let url = url::Url::parse(&u.url).map_err(|e| e.to_string())?;
+    pub fn new(u: UpstreamSpec<'_>) -> Result<Upstream, String> {
+        let url = url::Url::parse(u.url).map_err(|e| e.to_string())?;
         let host = url.host_str().ok_or("no host")?;
         let port = url.port_or_known_default().unwrap_or(80);
         let authority = if host.contains(':') {
@@ -45,15 +59,9 @@ impl Upstream {
         let tls = match url.scheme() {
             "https" => {
                 let files = crate::tls::ClientFiles {
-                    ca_file: u.ca_file.as_deref().map(|p| ("upstreams[].ca_file", p)),
-                    client_cert: u
-                        .client_cert
-                        .as_deref()
-                        .map(|p| ("upstreams[].client_cert", p)),
-                    client_key: u
-                        .client_key
-                        .as_deref()
-                        .map(|p| ("upstreams[].client_key", p)),
+                    ca_file: u.ca_file.map(|p| ("upstreams[].ca_file", p)),
+                    client_cert: u.client_cert.map(|p| ("upstreams[].client_cert", p)),
+                    client_key: u.client_key.map(|p| ("upstreams[].client_key", p)),
                 };
                 let config =
                     crate::tls::client_config(&files, u.http2).map_err(|e| e.to_string())?;
@@ -64,9 +72,9 @@ impl Upstream {
             _ => None,
         };
         Ok(Upstream {
-            name: u.name.clone(),
+            name: u.name.to_owned(),
             authority: authority.parse().map_err(|e| format!("{e}"))?,
-            timeout: u.timeout.get(),
+            timeout: u.timeout,
             tls,
             http2: u.http2,
         })
@@ -104,16 +112,7 @@ pub enum ProxyError {
     BadRequestBody(String),
 }
 
-/// How a forward failed, attached to the error response so policy layers can
-/// decide what the failure means for a claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ForwardFailure {
-    /// The upstream never received the request: safe to execute again.
-    NotSent,
-    /// The request may have reached the upstream, but no complete answer
-    /// came back (timeout, reset): the outcome is uncertain.
-    Uncertain,
-}
+pub use crate::idempotency::ForwardFailure;
 
 impl ProxyError {
     fn failure(&self) -> ForwardFailure {
@@ -223,5 +222,49 @@ impl Service<Request<Body>> for Proxy {
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let answer = self.clone().answer(req);
         Box::pin(async move { Ok(answer.await) })
+    }
+}
+
+/// Its answer to the client: the one problem type every module maps to.
+impl From<&ProxyError> for crate::error::Problem {
+    fn from(e: &ProxyError) -> Self {
+        use ProxyError as E;
+        let p = match e {
+            E::Connect(_) => crate::error::Problem::new(
+                http::StatusCode::BAD_GATEWAY,
+                "upstream-unavailable",
+                "The upstream service could not be reached",
+            ),
+            E::Tls { .. } => crate::error::Problem::new(
+                http::StatusCode::BAD_GATEWAY,
+                "upstream-tls",
+                "The upstream's TLS certificate was not trusted, or the TLS handshake failed",
+            )
+            .detail("nothing was sent upstream; the request can be retried"),
+            E::Timeout(_) => crate::error::Problem::new(
+                http::StatusCode::GATEWAY_TIMEOUT,
+                "upstream-timeout",
+                "The upstream service did not answer in time",
+            ),
+            E::Broken { .. } => crate::error::Problem::new(
+                http::StatusCode::BAD_GATEWAY,
+                "upstream-broken",
+                "The upstream connection failed before a complete answer",
+            ),
+            E::BodyTooLarge { limit } => crate::error::Problem::new(
+                http::StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "The request body is larger than the gateway accepts",
+            )
+            .detail(format!(
+                "request bodies are limited to {limit} bytes; nothing was forwarded"
+            )),
+            E::BadRequestBody(_) => crate::error::Problem::new(
+                http::StatusCode::BAD_REQUEST,
+                "bad-request-body",
+                "The request body could not be read",
+            ),
+        };
+        p.logged("proxy", e.to_string())
     }
 }

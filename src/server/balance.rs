@@ -109,6 +109,12 @@ impl Balance {
     }
 }
 
+impl crate::metrics::WorkerConnections for Balance {
+    fn open_connections(&self) -> Vec<usize> {
+        Balance::open_connections(self)
+    }
+}
+
 impl Seat {
     /// Where a connection this worker accepted is served: here (the stream
     /// comes back with its guard) or handed to a less loaded worker (`None`).

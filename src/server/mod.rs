@@ -370,20 +370,6 @@ where
     }
 }
 
-/// Binds a listener, naming the config key on failure.
-pub async fn bind(
-    addr: &str,
-    key: &'static str,
-) -> Result<TcpListener, crate::gateway::StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| crate::gateway::StartError::Bind {
-            key,
-            addr: addr.to_owned(),
-            source,
-        })
-}
-
 /// The public listening socket, non-blocking, ready to be shared by the
 /// worker threads (each turns a `try_clone` of it into its own tokio
 /// listener). Binding it once means a port already in use is an error, as

@@ -180,11 +180,26 @@ pub fn after_ms(base: i64, d: Duration) -> i64 {
     base.saturating_add(d.as_millis().min(i64::MAX as u128) as i64)
 }
 
-/// The store a config asks for, with its migrations applied, plus the
+/// What a store is opened from (a validated `[store]`).
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    pub database_url: String,
+    /// Empty: the in-process fast layer.
+    pub redis_url: String,
+    pub redis_prefix: String,
+    pub pool_size: u32,
+    /// Bound on every store operation.
+    pub timeout: Duration,
+    pub lease: Duration,
+    pub retention: Duration,
+    pub fast_layer_budget: Duration,
+}
+
+/// The store the options ask for, with its migrations applied, plus the
 /// in-process layer (if that is the fast layer) for the sweeper to trim and
 /// for worker stores to share.
 pub async fn open(
-    config: &crate::config::StoreConfig,
+    config: &StoreOptions,
     metrics: Arc<crate::metrics::Metrics>,
 ) -> Result<(Store, Option<Arc<memory::MemoryLayer>>), StoreError> {
     let sql = sql::SqlStore::connect(&sql_settings(config, config.pool_size)).await?;
@@ -210,7 +225,7 @@ pub async fn open(
 /// biggest transactions on its single connection (fewest fsyncs); the
 /// in-process fast layer is one map for the whole process.
 pub async fn open_for_worker(
-    config: &crate::config::StoreConfig,
+    config: &StoreOptions,
     shared: &Store,
     memory: Option<Arc<memory::MemoryLayer>>,
     metrics: Arc<crate::metrics::Metrics>,
@@ -225,24 +240,24 @@ pub async fn open_for_worker(
     Ok(Store::new(sql, Some(fast), settings_of(config), metrics))
 }
 
-fn sql_settings(config: &crate::config::StoreConfig, pool_size: u32) -> sql::SqlSettings {
+fn sql_settings(config: &StoreOptions, pool_size: u32) -> sql::SqlSettings {
     sql::SqlSettings {
         url: config.database_url.clone(),
         pool_size,
-        timeout: config.timeout.get(),
+        timeout: config.timeout,
     }
 }
 
-fn settings_of(config: &crate::config::StoreConfig) -> StoreSettings {
+fn settings_of(config: &StoreOptions) -> StoreSettings {
     StoreSettings {
-        lease: config.lease.get(),
-        retention: config.retention.get(),
-        fast_layer_budget: config.fast_layer_budget.get(),
+        lease: config.lease,
+        retention: config.retention,
+        fast_layer_budget: config.fast_layer_budget,
     }
 }
 
 fn fast_layer(
-    config: &crate::config::StoreConfig,
+    config: &StoreOptions,
     memory: Option<Arc<memory::MemoryLayer>>,
 ) -> Result<Arc<dyn FastLayer>, StoreError> {
     if let Some(memory) = memory {
@@ -251,7 +266,7 @@ fn fast_layer(
     let redis = redis::RedisLayer::new(
         &config.redis_url,
         &config.redis_prefix,
-        config.fast_layer_budget.get(),
+        config.fast_layer_budget,
     )
     .map_err(|e| StoreError::Unavailable {
         op: "redis",
@@ -289,5 +304,19 @@ impl Record {
             "updated": age(self.updated_at_ms),
             "expires_in": left(self.expires_at_ms),
         })
+    }
+}
+
+/// Its answer to the client: the one problem type every module maps to.
+impl From<&StoreError> for crate::error::Problem {
+    fn from(e: &StoreError) -> Self {
+        crate::error::Problem::new(
+            http::StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "The idempotency store cannot be reached",
+        )
+        .detail("the request was not forwarded; retry later with the same key")
+        .retry_after(1)
+        .logged("store", e.to_string())
     }
 }

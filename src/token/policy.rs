@@ -3,6 +3,9 @@
 use std::sync::Arc;
 
 use http::StatusCode;
+use std::convert::Infallible;
+
+use bytes::Bytes;
 use http::request::Parts;
 
 use super::codec::TokenKeys;
@@ -52,6 +55,12 @@ impl Policy for TokenPolicy {
         // not the route's (its use on another route is a different request:
         // 422).
         RecordKey::new(client_scope, TOKEN_RECORDS, key)
+    }
+
+    type BodyKey = Infallible;
+
+    fn key_in_body(&self, from: Infallible, _: &Parts, _: &Bytes) -> Result<String, Problem> {
+        match from {}
     }
 
     fn key_in_head(&self, parts: &Parts, scope: &str) -> Result<Head, Problem> {
