@@ -8,7 +8,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use support::brokers::{PrivateNats, Queue, Stream, consumer_toml};
+use support::brokers::{PrivateNats, PrivateRabbit, Queue, Stream, consumer_toml};
 use support::services::{FaultProxy, Mode, postgres};
 use support::{Http, Stack, dead_port, eventually, executions};
 
@@ -633,5 +633,47 @@ async fn a_store_outage_longer_than_the_lease_does_not_forward_a_message_twice()
     // taking the expired claim over and forwarding again.
     assert_eq!(executions(&stack, "outage"), 1);
     assert_eq!(stack.upstream.state.stats().requests, 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_private_rabbitmq_node_restarted_mid_stream_loses_nothing_and_executes_each_once() {
+    let test = "rabbit_restart";
+    let Some(mut rabbit) = PrivateRabbit::start(test).await else {
+        return;
+    };
+    let url = rabbit.url();
+    let queue = Queue::open(test, &url, "restart.q").await.unwrap();
+    let consumer = consumer_toml(
+        "pay",
+        &url,
+        "queue = \"restart.q\"",
+        "/actions/rrestart",
+        "prefetch = 4",
+    );
+    let stack = Stack::start(&consumer).await;
+    for i in 0..40 {
+        queue.publish(Some(&format!("m-{i}")), b"{}", &[]).await;
+    }
+    assert!(eventually(WAIT, || async { executions(&stack, "rrestart") >= 5 }).await);
+    rabbit.restart().await;
+    // Unacknowledged and unconsumed messages come back with the node; the
+    // consumer reconnects by itself.
+    let queue = Queue::open(test, &url, "restart.q").await.unwrap();
+    for i in 40..60 {
+        queue.publish(Some(&format!("m-{i}")), b"{}", &[]).await;
+    }
+    let all = eventually(Duration::from_secs(60), || async {
+        per_key(&stack, "rrestart").len() == 60 && queue.ready("restart.q").await == 0
+    })
+    .await;
+    assert!(
+        all,
+        "only {} of 60 executed",
+        per_key(&stack, "rrestart").len()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let keys = per_key(&stack, "rrestart");
+    assert!(keys.values().all(|n| *n == 1), "{keys:?}");
     stack.shutdown().await;
 }

@@ -3,6 +3,8 @@
 //! instances on free ports for restart tests.
 #![allow(dead_code, unreachable_pub)]
 
+use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -26,9 +28,17 @@ pub struct Queue {
 }
 
 impl Queue {
-    /// Declares a fresh durable queue (and forgets its dead-letter queue).
+    /// Declares a fresh durable queue on the shared RabbitMQ.
     pub async fn new(test: &str) -> Option<Queue> {
         let url = std::env::var("IDEMGATE_TEST_AMQP_URL").unwrap_or_else(|_| AMQP_URL.into());
+        let name = format!("t.{test}.{}", uuid::Uuid::now_v7().simple());
+        Queue::open(test, &url, &name).await
+    }
+
+    /// Connects to `url` and declares the durable queue `name` (again,
+    /// after a broker restart).
+    pub async fn open(test: &str, url: &str, name: &str) -> Option<Queue> {
+        let (url, name) = (url.to_owned(), name.to_owned());
         let connect = Connection::connect(&url, ConnectionProperties::default());
         let connection = match tokio::time::timeout(Duration::from_secs(5), connect).await {
             Ok(Ok(c)) => c,
@@ -46,7 +56,6 @@ impl Queue {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .unwrap();
-        let name = format!("t.{test}.{}", uuid::Uuid::now_v7().simple());
         channel
             .queue_declare(
                 name.as_str().into(),
@@ -362,6 +371,132 @@ impl PrivateNats {
 }
 
 impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A RabbitMQ node of this test's own (its own ports, data and node name),
+/// for broker restarts. The data directory outlives a restart: durable
+/// queues and persistent messages come back.
+pub struct PrivateRabbit {
+    pub port: u16,
+    dist_port: u16,
+    node: String,
+    dir: tempfile::TempDir,
+    pid: Option<u32>,
+    /// The `rabbitmq-server` wrapper (the node is its child).
+    wrapper: Option<Child>,
+}
+
+impl PrivateRabbit {
+    pub async fn start(test: &str) -> Option<PrivateRabbit> {
+        if Command::new("sh")
+            .args(["-c", "command -v rabbitmq-server"])
+            .stdout(Stdio::null())
+            .status()
+            .map_or(true, |s| !s.success())
+        {
+            missing("rabbitmq-server", test, "not installed");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (port, dist_port) = (super::dead_port(), super::dead_port());
+        std::fs::write(dir.path().join("enabled_plugins"), "[].\n").unwrap();
+        std::fs::write(
+            dir.path().join("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{port}\nloopback_users = none\n"),
+        )
+        .unwrap();
+        // rabbitmq-server runs the node as the rabbitmq user.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let mut rabbit = PrivateRabbit {
+            port,
+            dist_port,
+            node: format!(
+                "t{}@localhost",
+                &uuid::Uuid::new_v4().simple().to_string()[..10]
+            ),
+            dir,
+            pid: None,
+            wrapper: None,
+        };
+        if !rabbit.spawn().await {
+            missing("RabbitMQ (private node)", test, "did not start within 60 s");
+            return None;
+        }
+        Some(rabbit)
+    }
+
+    async fn spawn(&mut self) -> bool {
+        let d = self.dir.path();
+        let _ = std::fs::remove_file(d.join("pid"));
+        let wrapper = Command::new("rabbitmq-server")
+            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
+            .env("RABBITMQ_NODENAME", &self.node)
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d.join("log"))
+            .env("RABBITMQ_FEATURE_FLAGS_FILE", d.join("feature_flags"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
+            .env("RABBITMQ_PID_FILE", d.join("pid"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        self.wrapper = Some(wrapper);
+        let port = self.port;
+        let up = super::eventually(Duration::from_secs(60), || async move {
+            let url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+            Connection::connect(&url, ConnectionProperties::default())
+                .await
+                .is_ok()
+        })
+        .await;
+        self.pid = std::fs::read_to_string(d.join("pid"))
+            .ok()
+            .and_then(|p| p.trim().parse().ok());
+        up
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// Kills the node (SIGKILL) and starts it again on the same ports and
+    /// data.
+    pub async fn restart(&mut self) {
+        self.kill();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(self.spawn().await, "the private RabbitMQ did not come back");
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(pid) = self.pid.take() {
+            // The node's own process only: never a group or a pattern.
+            let _ = Command::new("kill")
+                .args(["-s", "KILL", &pid.to_string()])
+                .status();
+            for _ in 0..50 {
+                let gone = !Path::new(&format!("/proc/{pid}")).exists();
+                if gone {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        if let Some(mut wrapper) = self.wrapper.take() {
+            let _ = wrapper.kill();
+            let _ = wrapper.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRabbit {
     fn drop(&mut self) {
         self.kill();
     }
