@@ -162,6 +162,7 @@ pub struct ConsumerCounters {
     /// `None` while connected; otherwise why not (for `/readyz`).
     broker: std::sync::Mutex<Option<String>>,
     connected: std::sync::atomic::AtomicBool,
+    connects: AtomicU64,
 }
 
 impl ConsumerCounters {
@@ -179,6 +180,12 @@ impl ConsumerCounters {
     pub fn set_connected(&self) {
         *self.broker.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.connected.store(true, Ordering::Relaxed);
+        self.connects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many times the broker connection came up.
+    pub fn connects(&self) -> u64 {
+        self.connects.load(Ordering::Relaxed)
     }
 
     /// The broker connection is down, and why.

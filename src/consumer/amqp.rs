@@ -35,7 +35,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{Deliverer, Message, Verdict, backoff, redact};
+use super::{Deliverer, Message, Verdict, keep_connected, redact};
 
 /// Runs the consumer until `stop`, reconnecting with backoff.
 pub(super) async fn run(
@@ -45,32 +45,14 @@ pub(super) async fn run(
     dead_letters: String,
     stop: CancellationToken,
 ) {
-    let name = d.settings().name.clone();
-    let mut failures = 0u32;
-    loop {
-        let ended = session(&d, &url, &queue, &dead_letters, &stop, &mut failures).await;
-        if stop.is_cancelled() {
-            return;
+    let (d, url, queue, dead_letters, stop) = (&d, &url, &queue, &dead_letters, &stop);
+    keep_connected(d, url, queue, stop, || async move {
+        match session(d, url, queue, dead_letters, stop).await {
+            Ok(()) => Err("the broker cancelled the consumer".to_owned()),
+            Err(e) => Err(e.to_string()),
         }
-        let why = match ended {
-            Ok(()) => "the broker cancelled the consumer".to_owned(),
-            Err(e) => e.to_string(),
-        };
-        d.counters().set_disconnected(why.clone());
-        let pause = backoff(failures);
-        failures = failures.saturating_add(1);
-        // The first failure in a row is a warning, then about one a
-        // minute: a broker that is down for hours must not flood the log.
-        if failures == 1 || failures.is_multiple_of(12) {
-            tracing::warn!(consumer = %name, broker = %redact(&url), queue = %queue, error = %why, retry_in = ?pause, layer = "consumer", "broker unreachable or connection lost; reconnecting");
-        } else {
-            tracing::debug!(consumer = %name, error = %why, retry_in = ?pause, layer = "consumer", "reconnecting");
-        }
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(pause) => {}
-        }
-    }
+    })
+    .await;
 }
 
 async fn session(
@@ -79,7 +61,6 @@ async fn session(
     queue: &str,
     dead_letters: &str,
     stop: &CancellationToken,
-    failures: &mut u32,
 ) -> Result<(), lapin::Error> {
     let settings = d.settings();
     let properties = ConnectionProperties::default()
@@ -119,7 +100,6 @@ async fn session(
         )
         .await?;
     d.counters().set_connected();
-    *failures = 0;
     tracing::info!(consumer = %settings.name, broker = %redact(url), queue = %queue, prefetch = settings.prefetch, layer = "consumer", "consuming");
 
     let mut running = JoinSet::new();

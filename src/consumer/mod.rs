@@ -470,6 +470,51 @@ impl Consumers {
     }
 }
 
+/// Runs `session` (connect, consume, return why it ended) again and again
+/// until `stop`, pausing with backoff between tries; a session that got
+/// connected starts the backoff over. `from` names the queue or stream in
+/// logs.
+pub(crate) async fn keep_connected<S, F>(
+    d: &Deliverer,
+    url: &str,
+    from: &str,
+    stop: &CancellationToken,
+    mut session: S,
+) where
+    S: FnMut() -> F,
+    F: std::future::Future<Output = Result<(), String>>,
+{
+    let name = &d.settings().name;
+    let mut failures = 0u32;
+    loop {
+        let connects = d.counters().connects();
+        let ended = session().await;
+        if stop.is_cancelled() {
+            return;
+        }
+        if d.counters().connects() != connects {
+            failures = 0;
+        }
+        let why = ended
+            .err()
+            .unwrap_or_else(|| "the session ended".to_owned());
+        d.counters().set_disconnected(why.clone());
+        let pause = backoff(failures);
+        failures = failures.saturating_add(1);
+        // The first failure in a row is a warning, then about one a
+        // minute: a broker that is down for hours must not flood the log.
+        if failures == 1 || failures.is_multiple_of(12) {
+            tracing::warn!(consumer = %name, broker = %redact(url), from = %from, error = %why, retry_in = ?pause, layer = "consumer", "broker unreachable or connection lost; reconnecting");
+        } else {
+            tracing::debug!(consumer = %name, error = %why, retry_in = ?pause, layer = "consumer", "reconnecting");
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
 /// The reconnect pause after `failures` failed attempts in a row.
 pub(crate) fn backoff(failures: u32) -> Duration {
     RECONNECT_START

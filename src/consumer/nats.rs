@@ -23,7 +23,7 @@ use futures_util::StreamExt;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{Deliverer, Message, Verdict, backoff, redact};
+use super::{Deliverer, Message, Verdict, keep_connected, redact};
 
 /// The shortest ack wait: the server delivers an unacknowledged message
 /// again after it (a holder may still run, and its claim answers the copy).
@@ -40,41 +40,15 @@ pub(super) async fn run(
     dead_letters: String,
     stop: CancellationToken,
 ) {
-    let name = d.settings().name.clone();
-    let mut failures = 0u32;
-    loop {
-        let ended = session(
-            &d,
-            &url,
-            &stream,
-            &durable,
-            &dead_letters,
-            &stop,
-            &mut failures,
-        )
-        .await;
-        if stop.is_cancelled() {
-            return;
+    let (d, url, stream, durable, dead_letters, stop) =
+        (&d, &url, &stream, &durable, &dead_letters, &stop);
+    keep_connected(d, url, stream, stop, || async move {
+        match session(d, url, stream, durable, dead_letters, stop).await {
+            Ok(()) => Err("the message stream ended".to_owned()),
+            Err(e) => Err(e.to_string()),
         }
-        let why = match ended {
-            Ok(()) => "the message stream ended".to_owned(),
-            Err(e) => e.to_string(),
-        };
-        d.counters().set_disconnected(why.clone());
-        let pause = backoff(failures);
-        failures = failures.saturating_add(1);
-        // The first failure in a row is a warning, then about one a
-        // minute: a broker that is down for hours must not flood the log.
-        if failures == 1 || failures.is_multiple_of(12) {
-            tracing::warn!(consumer = %name, broker = %redact(&url), stream = %stream, error = %why, retry_in = ?pause, layer = "consumer", "broker unreachable or connection lost; reconnecting");
-        } else {
-            tracing::debug!(consumer = %name, error = %why, retry_in = ?pause, layer = "consumer", "reconnecting");
-        }
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(pause) => {}
-        }
-    }
+    })
+    .await;
 }
 
 async fn session(
@@ -84,7 +58,6 @@ async fn session(
     durable: &str,
     dead_letters: &str,
     stop: &CancellationToken,
-    failures: &mut u32,
 ) -> Result<(), Failure> {
     let settings = d.settings();
     let client = async_nats::ConnectOptions::new()
@@ -163,7 +136,6 @@ async fn session(
         .messages()
         .await?;
     d.counters().set_connected();
-    *failures = 0;
     tracing::info!(consumer = %settings.name, broker = %redact(url), stream = %stream_name, durable = %durable, prefetch = settings.prefetch, layer = "consumer", "consuming");
 
     let mut running = JoinSet::new();

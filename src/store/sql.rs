@@ -15,8 +15,12 @@
 //!   AND state = 'in_flight'`. A holder whose lease was taken over finds zero
 //!   rows: its late write is refused (fencing).
 //!
-//! The statements themselves ([`super::statements`]) read the database's
+//! The statements themselves (`store/statements.rs`) read the database's
 //! clock: leases and expiries never depend on a gateway's clock.
+//!
+//! Here: the pool, bounds and single-record statements. `sql/batched.rs`:
+//! the batched claims and completions (Postgres `UNNEST` arrays, one SQLite
+//! transaction). `sql/rows.rs`: decoding a row into a [`Record`].
 //!
 //! SQLite runs on one connection: its writers serialise anyway, and a single
 //! connection never meets `SQLITE_BUSY` from its own pool. The one
@@ -27,17 +31,22 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use bytes::Bytes;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{Connection, Row};
 
-use super::codec::{decode_headers, encode_headers};
+use super::codec::encode_headers;
 use super::held::HeldConnection;
 use super::statements::{POSTGRES, SQLITE, Statements, millis};
 use super::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse};
+
+mod batched;
+mod rows;
+
+pub use batched::{Completion, NewClaim};
+use rows::{RawRecord, answer_for};
 
 /// Rows moved per sweep statement: small enough that a sweep never holds
 /// locks for long, large enough to keep up.
@@ -289,110 +298,6 @@ impl SqlStore {
         })
     }
 
-    /// The fresh-key half of a claim, for many keys at once: one
-    /// `INSERT … ON CONFLICT DO NOTHING` (one commit). The epoch where the
-    /// row was inserted, i.e. the claim was won. A key twice in one batch
-    /// is inserted for its first job only; the second then meets the row
-    /// like any duplicate.
-    pub async fn insert_claims(
-        &self,
-        batch: &[NewClaim],
-        held: &HeldConnection,
-    ) -> Result<Vec<Option<i64>>, StoreError> {
-        let Some(first) = batch.first() else {
-            return Ok(Vec::new());
-        };
-        // One store, one lease and retention: the batch shares them.
-        let (lease, retention) = (millis(first.lease), millis(first.retention));
-        match &self.pool {
-            Pool::Postgres(pool) if batch.len() > 1 => {
-                let mut columns = PgClaimColumns::default();
-                let mut seen = std::collections::HashSet::new();
-                let mut fresh = Vec::with_capacity(batch.len());
-                for c in batch {
-                    let new = seen.insert(&c.key);
-                    fresh.push(new);
-                    if new {
-                        columns.push(c);
-                    }
-                }
-                let query = sqlx::query(self.sql().claim_insert_many.as_str())
-                    .bind(&columns.scope)
-                    .bind(&columns.route)
-                    .bind(&columns.key)
-                    .bind(&columns.fingerprint)
-                    .bind(lease)
-                    .bind(&columns.request_id)
-                    .bind(retention);
-                let inserted = self
-                    .bounded(
-                        "claim",
-                        self.on_batch_connection(pool, held, async move |conn| {
-                            let rows = query.fetch_all(conn).await?;
-                            rows.iter()
-                                .map(|row| Ok((returned_key(row)?, row.try_get::<i64, _>(3)?)))
-                                .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
-                        }),
-                    )
-                    .await?;
-                Ok(batch
-                    .iter()
-                    .zip(fresh)
-                    .map(|(c, fresh)| fresh.then(|| inserted.get(&c.key).copied()).flatten())
-                    .collect())
-            }
-            Pool::Postgres(pool) => {
-                let c = first;
-                let statement = self.sql().claim_insert.as_str();
-                let epoch = self
-                    .bounded(
-                        "claim",
-                        self.on_batch_connection(pool, held, async |conn| {
-                            sqlx::query(statement)
-                                .bind(&c.key.scope)
-                                .bind(&c.key.route)
-                                .bind(&c.key.key)
-                                .bind(&c.fingerprint)
-                                .bind(lease)
-                                .bind(&c.request_id)
-                                .bind(retention)
-                                .fetch_optional(conn)
-                                .await?
-                                .map(|row| row.try_get::<i64, _>(0))
-                                .transpose()
-                        }),
-                    )
-                    .await?;
-                Ok(vec![epoch])
-            }
-            Pool::Sqlite(pool) => {
-                // One write transaction, one fsync, for the whole batch.
-                let statement = self.sql().claim_insert.as_str();
-                self.bounded("claim", async {
-                    let mut conn = pool.acquire().await?;
-                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-                    let mut won = Vec::with_capacity(batch.len());
-                    for c in batch {
-                        let row = sqlx::query(statement)
-                            .bind(&c.key.scope)
-                            .bind(&c.key.route)
-                            .bind(&c.key.key)
-                            .bind(&c.fingerprint)
-                            .bind(lease)
-                            .bind(&c.request_id)
-                            .bind(retention)
-                            .fetch_optional(&mut *tx)
-                            .await?;
-                        won.push(row.map(|r| r.try_get::<i64, _>(0)).transpose()?);
-                    }
-                    tx.commit().await?;
-                    Ok(won)
-                })
-                .await
-            }
-        }
-    }
-
     /// The existing-key half of a claim: take the record over if it may be
     /// taken, else read it to answer, with the record's retention left (a
     /// fast layer caching the answer must not outlive the record). `None`
@@ -481,73 +386,6 @@ impl SqlStore {
             })
         })
         .await
-    }
-
-    /// Stores many outcomes at once (see [`super::batch`]); for each, the
-    /// retention left, or `None` where the epoch no longer holds the claim.
-    pub async fn complete_many(
-        &self,
-        batch: &[Completion],
-        held: &HeldConnection,
-    ) -> Result<Vec<Option<Duration>>, StoreError> {
-        match &self.pool {
-            Pool::Postgres(pool) => {
-                let mut columns = PgColumns::default();
-                for c in batch {
-                    columns.push(c);
-                }
-                let query = sqlx::query(self.sql().complete_many.as_str())
-                    .bind(&columns.scope)
-                    .bind(&columns.route)
-                    .bind(&columns.key)
-                    .bind(&columns.epoch)
-                    .bind(&columns.status)
-                    .bind(&columns.headers)
-                    .bind(&columns.body)
-                    .bind(&columns.body_kept)
-                    .bind(&columns.request_id);
-                let done = self
-                    .bounded(
-                        "complete",
-                        self.on_batch_connection(pool, held, async move |conn| {
-                            let rows = query.fetch_all(conn).await?;
-                            rows.iter()
-                                .map(|row| Ok((returned_key(row)?, left(row.try_get(3)?))))
-                                .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
-                        }),
-                    )
-                    .await?;
-                Ok(batch.iter().map(|c| done.get(&c.key).copied()).collect())
-            }
-            Pool::Sqlite(pool) => {
-                // One write transaction, one fsync, for the whole batch.
-                let statement = self.sql().complete.as_str();
-                self.bounded("complete", async {
-                    let mut conn = pool.acquire().await?;
-                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-                    let mut accepted = Vec::with_capacity(batch.len());
-                    for c in batch {
-                        let headers = encode_headers(&c.response.headers);
-                        let row = sqlx::query(statement)
-                            .bind(&c.key.scope)
-                            .bind(&c.key.route)
-                            .bind(&c.key.key)
-                            .bind(c.epoch)
-                            .bind(i32::from(c.response.status))
-                            .bind(&headers)
-                            .bind(c.response.body.as_ref())
-                            .bind(c.response.body_kept)
-                            .bind(&c.response.request_id)
-                            .fetch_optional(&mut *tx)
-                            .await?;
-                        accepted.push(row.map(|r| r.try_get::<i64, _>(0).map(left)).transpose()?);
-                    }
-                    tx.commit().await?;
-                    Ok(accepted)
-                })
-                .await
-            }
-        }
     }
 
     /// Gives the claim up (nothing happened upstream); false when `epoch`
@@ -788,179 +626,4 @@ pub struct Purged {
     pub removed: u64,
     /// Records left because they are held under a live lease.
     pub held: u64,
-}
-
-/// One claim of a key, as [`SqlStore::insert_claims`] takes it.
-#[derive(Debug, Clone)]
-pub struct NewClaim {
-    pub key: RecordKey,
-    pub fingerprint: String,
-    pub request_id: String,
-    pub lease: Duration,
-    pub retention: Duration,
-}
-
-#[derive(Default)]
-struct PgClaimColumns {
-    scope: Vec<String>,
-    route: Vec<String>,
-    key: Vec<String>,
-    fingerprint: Vec<String>,
-    request_id: Vec<String>,
-}
-
-impl PgClaimColumns {
-    fn push(&mut self, c: &NewClaim) {
-        self.scope.push(c.key.scope.clone());
-        self.route.push(c.key.route.clone());
-        self.key.push(c.key.key.clone());
-        self.fingerprint.push(c.fingerprint.clone());
-        self.request_id.push(c.request_id.clone());
-    }
-}
-
-/// One completion waiting to be written.
-#[derive(Debug, Clone)]
-pub struct Completion {
-    pub key: RecordKey,
-    pub epoch: i64,
-    pub response: StoredResponse,
-}
-
-/// A batch as Postgres arrays, one per column.
-#[derive(Default)]
-struct PgColumns {
-    scope: Vec<String>,
-    route: Vec<String>,
-    key: Vec<String>,
-    epoch: Vec<i64>,
-    status: Vec<i32>,
-    headers: Vec<Vec<u8>>,
-    body: Vec<Vec<u8>>,
-    body_kept: Vec<bool>,
-    request_id: Vec<String>,
-}
-
-impl PgColumns {
-    fn push(&mut self, c: &Completion) {
-        self.scope.push(c.key.scope.clone());
-        self.route.push(c.key.route.clone());
-        self.key.push(c.key.key.clone());
-        self.epoch.push(c.epoch);
-        self.status.push(i32::from(c.response.status));
-        self.headers.push(encode_headers(&c.response.headers));
-        self.body.push(c.response.body.to_vec());
-        self.body_kept.push(c.response.body_kept);
-        self.request_id.push(c.response.request_id.clone());
-    }
-}
-
-/// The record a batched `… RETURNING scope, route, idem_key` row names.
-fn returned_key(row: &sqlx::postgres::PgRow) -> Result<RecordKey, sqlx::Error> {
-    Ok(RecordKey {
-        scope: row.try_get(0)?,
-        route: row.try_get(1)?,
-        key: row.try_get(2)?,
-    })
-}
-
-/// What a claim answers when the record exists and could not be taken.
-fn answer_for(record: &Record, fingerprint: &str) -> Claim {
-    if record.fingerprint != fingerprint {
-        return Claim::Mismatch;
-    }
-    match (&record.state, &record.response) {
-        (RecordState::Completed, Some(response)) => Claim::Completed(response.clone()),
-        _ => {
-            let left = (record.lease_until_ms - record.read_at_ms).max(0) as u64;
-            Claim::InFlight {
-                retry_after: Duration::from_millis(left),
-            }
-        }
-    }
-}
-
-/// A row as read, before decoding.
-struct RawRecord {
-    fingerprint: String,
-    state: String,
-    epoch: i64,
-    lease_until: i64,
-    request_id: String,
-    status: Option<i32>,
-    headers: Option<Vec<u8>>,
-    body: Option<Vec<u8>>,
-    body_kept: bool,
-    created_at: i64,
-    updated_at: i64,
-    expires_at: i64,
-    scope: String,
-    route: String,
-    key: String,
-    read_at: i64,
-}
-
-impl RawRecord {
-    fn read<'r, R>(row: &'r R) -> Result<RawRecord, sqlx::Error>
-    where
-        R: Row,
-        usize: sqlx::ColumnIndex<R>,
-        String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        bool: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    {
-        Ok(RawRecord {
-            fingerprint: row.try_get(0)?,
-            state: row.try_get(1)?,
-            epoch: row.try_get(2)?,
-            lease_until: row.try_get(3)?,
-            request_id: row.try_get(4)?,
-            status: row.try_get(5)?,
-            headers: row.try_get(6)?,
-            body: row.try_get(7)?,
-            body_kept: row.try_get(8)?,
-            created_at: row.try_get(9)?,
-            updated_at: row.try_get(10)?,
-            expires_at: row.try_get(11)?,
-            scope: row.try_get(12)?,
-            route: row.try_get(13)?,
-            key: row.try_get(14)?,
-            read_at: row.try_get(15)?,
-        })
-    }
-
-    fn into_record(self) -> Result<Record, StoreError> {
-        let state = RecordState::parse(&self.state)?;
-        let response = match (state, self.status) {
-            (RecordState::Completed, Some(status)) => Some(StoredResponse {
-                status: u16::try_from(status)
-                    .map_err(|_| StoreError::Corrupt(format!("status {status}")))?,
-                headers: decode_headers(self.headers.as_deref().unwrap_or_default())
-                    .map_err(StoreError::Corrupt)?,
-                body: Bytes::from(self.body.unwrap_or_default()),
-                body_kept: self.body_kept,
-                request_id: self.request_id.clone(),
-            }),
-            _ => None,
-        };
-        Ok(Record {
-            key: RecordKey {
-                scope: self.scope,
-                route: self.route,
-                key: self.key,
-            },
-            fingerprint: self.fingerprint,
-            state,
-            epoch: self.epoch,
-            lease_until_ms: self.lease_until,
-            request_id: self.request_id,
-            response,
-            created_at_ms: self.created_at,
-            updated_at_ms: self.updated_at,
-            expires_at_ms: self.expires_at,
-            read_at_ms: self.read_at,
-        })
-    }
 }
