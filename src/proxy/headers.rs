@@ -173,8 +173,10 @@ pub(super) fn filter_request_headers(
         Some(host) => headers.insert(header::HOST, host),
         None => headers.remove(header::HOST),
     };
-    match client_host.or_else(|| authority.and_then(|a| HeaderValue::from_str(a.as_str()).ok())) {
-        Some(host) => headers.insert(X_FORWARDED_HOST, host),
+    let forwarded_host =
+        client_host.or_else(|| authority.and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
+    match &forwarded_host {
+        Some(host) => headers.insert(X_FORWARDED_HOST, host.clone()),
         None => headers.remove(X_FORWARDED_HOST),
     };
     let proto = if client.is_some_and(|c| c.secure) {
@@ -198,6 +200,38 @@ pub(super) fn filter_request_headers(
                 let parts: Vec<&[u8]> = prior.iter().map(HeaderValue::as_bytes).collect();
                 entry.insert(joined(&parts));
             }
+        }
+        // A client's `Forwarded` (RFC 7239) gets the gateway's element
+        // appended, as X-Forwarded-For does: the last element is always
+        // what the gateway saw, never what a client claims. (Not added
+        // when the client sent none: upstreams read X-Forwarded-*.)
+        if let http::header::Entry::Occupied(mut entry) = headers.entry(header::FORWARDED) {
+            let mut element = Vec::with_capacity(64);
+            element.extend_from_slice(b"for=");
+            if client.addr.is_ipv6() {
+                element.extend_from_slice(b"\"[");
+                element.extend_from_slice(client.ip_text.as_bytes());
+                element.extend_from_slice(b"]\"");
+            } else {
+                element.extend_from_slice(client.ip_text.as_bytes());
+            }
+            element.extend_from_slice(b";proto=");
+            element.extend_from_slice(proto.as_bytes());
+            if let Some(host) = &forwarded_host
+                && !host.as_bytes().iter().any(|b| matches!(b, b'"' | b'\\'))
+            {
+                element.extend_from_slice(b";host=\"");
+                element.extend_from_slice(host.as_bytes());
+                element.push(b'"');
+            }
+            let mut parts: Vec<&[u8]> = entry
+                .iter()
+                .map(HeaderValue::as_bytes)
+                .filter(|v| !v.trim_ascii().is_empty())
+                .collect();
+            parts.push(&element);
+            let value = joined(&parts);
+            entry.insert(value);
         }
     }
 }
@@ -413,6 +447,39 @@ mod tests {
             render(&request_headers(&h, Some(&client), None)),
             "x-forwarded-for: 10.0.0.1, 10.0.0.2, 127.0.0.1\r\n\
              x-forwarded-host: shop.example\r\nx-forwarded-proto: http\r\n"
+        );
+    }
+
+    #[test]
+    fn a_clients_forwarded_header_ends_with_what_the_gateway_saw() {
+        let mut h = HeaderMap::new();
+        h.insert(header::HOST, "shop.example:8443".parse().unwrap());
+        h.insert(
+            header::FORWARDED,
+            "for=6.6.6.6;proto=https".parse().unwrap(),
+        );
+        let v4 = ClientAddr::new("10.1.2.3:9".parse().unwrap());
+        let out = request_headers(&h, Some(&v4), None);
+        assert_eq!(
+            out[header::FORWARDED],
+            "for=6.6.6.6;proto=https, for=10.1.2.3;proto=http;host=\"shop.example:8443\""
+        );
+        let v6 = ClientAddr::secure("[2001:db8::1]:9".parse().unwrap());
+        let out = request_headers(&h, Some(&v6), None);
+        assert!(
+            out[header::FORWARDED]
+                .to_str()
+                .unwrap()
+                .ends_with(", for=\"[2001:db8::1]\";proto=https;host=\"shop.example:8443\""),
+            "{:?}",
+            out[header::FORWARDED]
+        );
+        // None sent, none added: upstreams read X-Forwarded-*.
+        h.remove(header::FORWARDED);
+        assert!(
+            request_headers(&h, Some(&v4), None)
+                .get(header::FORWARDED)
+                .is_none()
         );
     }
 
