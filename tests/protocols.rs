@@ -609,3 +609,39 @@ async fn silent_and_half_preface_connections_are_closed_and_h2_keeps_the_limits(
     assert_eq!(h2.get(&stack.url("/stats")).await.status, 200);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_idle_h2_connection_is_closed_and_a_slow_stream_is_not() {
+    // Idle after 1 s; the upstream's timeout is 2 s.
+    let stack = Stack::start_with(ACTIONS, |c| c.server.header_read_timeout = "1s".into()).await;
+    let tcp = tokio::net::TcpStream::connect(stack.gateway.public_addr)
+        .await
+        .unwrap();
+    let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    // A request slower than the idle timeout is answered: busy is not idle.
+    let mut send = send.ready().await.unwrap();
+    let request = http::Request::post(stack.url("/actions/slow-h2"))
+        .header("idempotency-key", "slow-1")
+        .header("x-demo-delay-ms", "1500")
+        .body(())
+        .unwrap();
+    let (answer, mut stream) = send.send_request(request, false).unwrap();
+    stream
+        .send_data(bytes::Bytes::from_static(b"{}"), true)
+        .unwrap();
+    let answer = answer.await.expect("the slow stream was answered");
+    assert_eq!(answer.status(), 201);
+    drop(send);
+    // Then nothing: the gateway says GOAWAY and the connection ends.
+    let started = tokio::time::Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(6), connection).await;
+    assert!(ended.is_ok(), "an idle h2 connection stayed open");
+    assert!(
+        started.elapsed() >= Duration::from_millis(700),
+        "closed before it was idle for the timeout: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(executions(&stack, "slow-h2"), 1);
+    stack.shutdown().await;
+}

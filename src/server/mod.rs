@@ -21,6 +21,7 @@
 //! connection.
 
 pub mod balance;
+mod idle;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -210,7 +211,7 @@ pub async fn serve<F, S, E>(
         + Send
         + 'static,
     S::Future: Send + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    E: Into<Box<dyn std::error::Error + Send + Sync>> + 'static,
 {
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections));
@@ -253,6 +254,7 @@ pub async fn serve<F, S, E>(
         let watcher = graceful.watcher();
         let acceptor = acceptor.clone();
         let handshake_timeout = limits.header_read_timeout;
+        let mut stopping = shutdown.clone();
         // Boxed once here: the connection's state is large, and unboxed it
         // would be copied whole at every move into the spawned task.
         tokio::spawn(Box::pin(async move {
@@ -292,9 +294,32 @@ pub async fn serve<F, S, E>(
                         .await
                 }
                 Protocol::Http2 => {
-                    watcher
-                        .watch(builders.1.serve_connection(io, service))
-                        .await
+                    // Watched by hand: the drain counts this connection
+                    // for as long as `watcher` lives, and the connection
+                    // is closed gracefully on shutdown or when idle.
+                    let _counted_in_drain = watcher;
+                    let activity = idle::Activity::new();
+                    let service = idle::Busy {
+                        inner: service,
+                        activity: activity.clone(),
+                    };
+                    let conn = builders.1.serve_connection(io, service);
+                    tokio::pin!(conn);
+                    let mut closing = false;
+                    loop {
+                        tokio::select! {
+                            ended = conn.as_mut() => break ended,
+                            _ = stopping.wait(), if !closing => {
+                                conn.as_mut().graceful_shutdown();
+                                closing = true;
+                            }
+                            _ = activity.idle_for(handshake_timeout), if !closing => {
+                                tracing::debug!(%peer, layer = "server", "idle HTTP/2 connection closed");
+                                conn.as_mut().graceful_shutdown();
+                                closing = true;
+                            }
+                        }
+                    }
                 }
             };
             if let Err(e) = ended {
