@@ -4,7 +4,6 @@ mod support;
 
 use std::io::Write;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
 fn idemgate() -> Command {
     Command::new(env!("CARGO_BIN_EXE_idemgate"))
@@ -123,7 +122,8 @@ async fn sigterm_finishes_the_in_flight_request_then_exits() {
                 .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // wait_up's GET /echo was the first request the upstream saw.
+    support::reached(&upstream, 2).await;
     let pid = child.id().to_string();
     assert!(
         Command::new("kill")

@@ -277,6 +277,8 @@ async fn gateway_killed_mid_request_then_restarted_executes_at_most_once() {
             .await
         })
     };
+    // Not "the upstream has the head": the whole request must be there
+    // for the upstream to commit after its delay.
     tokio::time::sleep(Duration::from_millis(300)).await;
     gateway.kill().unwrap();
     gateway.wait().unwrap();

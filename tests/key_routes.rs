@@ -176,7 +176,7 @@ async fn a_duplicate_in_flight_is_409_with_retry_after() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    support::reached(&stack.upstream, 1).await;
     let dup = post(
         &stack,
         "/actions/slow",

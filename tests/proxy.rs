@@ -324,7 +324,7 @@ async fn graceful_shutdown_finishes_in_flight_requests() {
         http.send("POST", &url, &[("x-demo-delay-ms", "800")], "")
             .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    support::reached(&stack.upstream, 1).await;
     let public = stack.gateway.public_addr;
     let Stack {
         upstream, gateway, ..

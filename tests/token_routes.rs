@@ -157,7 +157,7 @@ async fn a_token_in_flight_is_409() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    support::reached(&stack.upstream, 1).await;
     let dup = use_token(
         &stack,
         "/actions/slow",

@@ -222,6 +222,17 @@ pub fn executions(stack: &Stack, action: &str) -> u64 {
         .map_or(0, |keys| keys.values().sum())
 }
 
+/// Waits until `upstream` has received `n` requests: what a sleep "until
+/// the first request is in flight" stood for (its claim is durable before
+/// it is forwarded).
+pub async fn reached(upstream: &DemoUpstream, n: u64) {
+    let got = eventually(Duration::from_secs(10), || async {
+        upstream.state.stats().requests >= n
+    })
+    .await;
+    assert!(got, "the upstream never received request {n}");
+}
+
 /// A port nothing listens on.
 pub fn dead_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
