@@ -645,3 +645,39 @@ async fn an_idle_h2_connection_is_closed_and_a_slow_stream_is_not() {
     assert_eq!(executions(&stack, "slow-h2"), 1);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_h2_stream_still_sending_its_body_keeps_the_connection_busy() {
+    // Idle after 1 s; a pass-through answer whose body stalls 1.5 s.
+    let stack = Stack::start_with(support::PASS_THROUGH, |c| {
+        c.server.header_read_timeout = "1s".into()
+    })
+    .await;
+    let tcp = tokio::net::TcpStream::connect(stack.gateway.public_addr)
+        .await
+        .unwrap();
+    let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut send = send.ready().await.unwrap();
+    let request = http::Request::get(stack.url("/echo"))
+        .header("x-demo-stall-body-ms", "1500")
+        .body(())
+        .unwrap();
+    let (answer, _) = send.send_request(request, true).unwrap();
+    let answer = answer.await.unwrap();
+    assert_eq!(answer.status(), 200);
+    // Past the idle timeout while the body is still coming: the connection
+    // is busy, so a second request on it is served.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut send = send.ready().await.expect("the busy connection was closed");
+    let second = http::Request::get(stack.url("/echo")).body(()).unwrap();
+    let (second, _) = send
+        .send_request(second, true)
+        .expect("the busy connection refused a new stream");
+    assert_eq!(second.await.unwrap().status(), 200);
+    let mut body = answer.into_body();
+    while let Some(chunk) = body.data().await {
+        chunk.unwrap();
+    }
+    stack.shutdown().await;
+}

@@ -488,11 +488,15 @@ pub(crate) async fn keep_connected<S, F>(
     let mut failures = 0u32;
     loop {
         let connects = d.counters().connects();
+        let started = tokio::time::Instant::now();
         let ended = session().await;
         if stop.is_cancelled() {
             return;
         }
-        if d.counters().connects() != connects {
+        // Backoff starts over only after a session that stayed up: a broker
+        // that accepts and drops at once must not be hammered (and logged)
+        // every 100 ms.
+        if d.counters().connects() != connects && started.elapsed() >= RECONNECT_MAX {
             failures = 0;
         }
         let why = ended

@@ -308,9 +308,9 @@ impl Engine {
         // have run out while the database was away; a claim now would take
         // the record over and forward the request a second time, while the
         // holder is about to record the first outcome.
-        if self.holders.subscribe(key, fingerprint).is_some() {
+        if self.holders.holds_unrecorded(key, fingerprint) {
             let _ = reply.send(Attempt::InFlight {
-                retry_after: Duration::from_secs(crate::error::IN_FLIGHT_RETRY_AFTER_SECS),
+                retry_after: self.store.settings().lease,
                 parts,
                 bytes,
             });

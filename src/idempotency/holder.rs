@@ -218,6 +218,16 @@ impl Holders {
             .map(|l| l.outcome.subscribe())
     }
 
+    /// Whether this process's holder of `key` for the same request is
+    /// still before its record (forwarding, or writing the outcome): a
+    /// claim now could take its expired lease over. A holder that has
+    /// recorded (and is about to deregister) is not counted.
+    pub fn holds_unrecorded(&self, key: &RecordKey, fingerprint: &str) -> bool {
+        self.lock()
+            .get(key)
+            .is_some_and(|l| l.fingerprint == fingerprint && l.stage != Stage::Recorded)
+    }
+
     /// How many holders are running.
     pub fn len(&self) -> usize {
         self.lock().len()

@@ -21,6 +21,9 @@ pub struct ClientAddr {
 impl ClientAddr {
     /// The peer at `addr`.
     pub fn new(addr: SocketAddr) -> Self {
+        // A dual-stack listener sees IPv4 clients as `::ffff:a.b.c.d`;
+        // upstreams get the address as the client has it.
+        let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
         let ip_text = match addr.ip() {
             // Once per connection, but `Display` for an address costs a
             // tenth of a whole request served on a new connection; octets
@@ -206,6 +209,12 @@ pub(super) fn filter_request_headers(
         // what the gateway saw, never what a client claims. (Not added
         // when the client sent none: upstreams read X-Forwarded-*.)
         if let http::header::Entry::Occupied(mut entry) = headers.entry(header::FORWARDED) {
+            // A value that is not RFC 7239 (an open quote, a stray
+            // separator) could swallow the element appended after it:
+            // such a header is dropped, and only the gateway's is sent.
+            if !entry.iter().all(|v| is_forwarded(v.as_bytes())) {
+                entry.insert(HeaderValue::from_static(""));
+            }
             let mut element = Vec::with_capacity(64);
             element.extend_from_slice(b"for=");
             if client.addr.is_ipv6() {
@@ -218,7 +227,7 @@ pub(super) fn filter_request_headers(
             element.extend_from_slice(b";proto=");
             element.extend_from_slice(proto.as_bytes());
             if let Some(host) = &forwarded_host
-                && !host.as_bytes().iter().any(|b| matches!(b, b'"' | b'\\'))
+                && is_plain_host(host.as_bytes())
             {
                 element.extend_from_slice(b";host=\"");
                 element.extend_from_slice(host.as_bytes());
@@ -234,6 +243,69 @@ pub(super) fn filter_request_headers(
             entry.insert(value);
         }
     }
+}
+
+/// Whether `value` is an RFC 7239 `Forwarded` value: elements separated by
+/// commas, pairs by semicolons, each `token=token` or `token="quoted"`.
+fn is_forwarded(value: &[u8]) -> bool {
+    fn tchar(b: u8) -> bool {
+        b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+    }
+    let mut i = 0;
+    let n = value.len();
+    let skip_ws = |i: &mut usize| {
+        while *i < n && matches!(value[*i], b' ' | b'\t') {
+            *i += 1;
+        }
+    };
+    loop {
+        skip_ws(&mut i);
+        let start = i;
+        while i < n && tchar(value[i]) {
+            i += 1;
+        }
+        if i == start || i >= n || value[i] != b'=' {
+            return false;
+        }
+        i += 1;
+        if i < n && value[i] == b'"' {
+            i += 1;
+            loop {
+                match value.get(i) {
+                    None => return false,
+                    Some(b'"') => break,
+                    Some(b'\\') => i += 2,
+                    Some(b) if b.is_ascii_control() && *b != b'\t' => return false,
+                    Some(_) => i += 1,
+                }
+            }
+            i += 1;
+        } else {
+            let start = i;
+            while i < n && tchar(value[i]) {
+                i += 1;
+            }
+            if i == start {
+                return false;
+            }
+        }
+        skip_ws(&mut i);
+        match value.get(i) {
+            None => return true,
+            Some(b';' | b',') => i += 1,
+            Some(_) => return false,
+        }
+    }
+}
+
+/// Whether a `Host` is a plain `name[:port]` or `[v6][:port]`: only then
+/// does it go into `Forwarded`'s `host=` (a `,` or `;` in it would read as
+/// a new element to a parser that splits without quotes).
+fn is_plain_host(host: &[u8]) -> bool {
+    !host.is_empty()
+        && host
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'))
 }
 
 /// Several header values as one, joined with `, `.
@@ -474,6 +546,45 @@ mod tests {
             "{:?}",
             out[header::FORWARDED]
         );
+        // A malformed one (an open quote) is dropped, not extended.
+        h.insert(header::FORWARDED, "for=\"6.6.6.6".parse().unwrap());
+        assert_eq!(
+            request_headers(&h, Some(&v4), None)[header::FORWARDED],
+            "for=10.1.2.3;proto=http;host=\"shop.example:8443\""
+        );
+        // A Host with separators is left out of the element.
+        h.insert(header::FORWARDED, "for=1.1.1.1".parse().unwrap());
+        h.insert(header::HOST, "a,for=6.6.6.6".parse().unwrap());
+        assert_eq!(
+            request_headers(&h, Some(&v4), None)[header::FORWARDED],
+            "for=1.1.1.1, for=10.1.2.3;proto=http"
+        );
+        // A dual-stack listener's mapped IPv4 goes as IPv4.
+        let mapped = ClientAddr::new("[::ffff:10.1.2.3]:9".parse().unwrap());
+        assert_eq!(
+            request_headers(&h, Some(&mapped), None)[X_FORWARDED_FOR],
+            "10.1.2.3"
+        );
+        for ok in [
+            "for=a",
+            "for=\"[::1]\";proto=https, for=b",
+            "a=b;c=\"x\\\"y\"",
+        ] {
+            assert!(is_forwarded(ok.as_bytes()), "{ok}");
+        }
+        for bad in [
+            "",
+            "for",
+            "for=",
+            "for=\"x",
+            "for=a b",
+            "for=a;;",
+            "=a",
+            "for=\"x\\",
+        ] {
+            assert!(!is_forwarded(bad.as_bytes()), "{bad}");
+        }
+        h.insert(header::HOST, "shop.example:8443".parse().unwrap());
         // None sent, none added: upstreams read X-Forwarded-*.
         h.remove(header::FORWARDED);
         assert!(

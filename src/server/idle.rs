@@ -2,8 +2,9 @@
 //! `server.header_read_timeout`, as an idle HTTP/1.1 keep-alive connection
 //! is by hyper's header-read timer: otherwise a client could hold
 //! `max_connections` h2 connections open forever without sending a request
-//! (pings keep a silent peer alive). A graceful close lets streams in
-//! flight finish; only a connection with none is idle.
+//! (pings keep a silent peer alive). A request counts as in flight from its
+//! head until its response body has been sent; a graceful close lets
+//! streams in flight finish, and only a connection with none is idle.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,7 +12,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http::Request;
+use axum::body::Body;
+use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -74,19 +76,49 @@ struct InFlight(Arc<Activity>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        // The time first: a watcher that sees zero in flight must also
+        // see when it became zero, not an older change.
         self.0.touch();
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.changed.notify_one();
+    }
+}
+
+/// A response body that keeps its request counted until it has been sent
+/// (or dropped): a stream still carrying its body is busy, not idle.
+struct Counted {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl http_body::Body for Counted {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
 impl<S> hyper::service::Service<Request<Incoming>> for Busy<S>
 where
-    S: hyper::service::Service<Request<Incoming>>,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>>,
     S::Future: Send + 'static,
 {
-    type Response = S::Response;
+    type Response = Response<Body>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, S::Error>> + Send>>;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         self.activity.in_flight.fetch_add(1, Ordering::AcqRel);
@@ -94,9 +126,15 @@ where
         let guard = InFlight(self.activity.clone());
         let answer = self.inner.call(req);
         Box::pin(async move {
-            let answered = answer.await;
-            drop(guard);
-            answered
+            // An error answer drops the guard here; an answer hands it to
+            // its body.
+            let response = answer.await?;
+            Ok(response.map(|inner| {
+                Body::new(Counted {
+                    inner,
+                    _in_flight: guard,
+                })
+            }))
         })
     }
 }
