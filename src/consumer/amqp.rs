@@ -329,6 +329,7 @@ fn to_message(delivery: &Delivery) -> Message {
         content_type: properties.content_type().as_ref().map(|c| c.to_string()),
         body: Bytes::copy_from_slice(&delivery.data),
         delivery_count,
+        key: std::sync::OnceLock::new(),
     }
 }
 

@@ -114,6 +114,8 @@ pub struct Message {
     pub body: Bytes,
     /// The broker's delivery count, 1-based (0: the broker does not count).
     pub delivery_count: u64,
+    /// Its business key, read once (every try and the settling use it).
+    pub key: std::sync::OnceLock<Result<String, crate::callback::KeyError>>,
 }
 
 impl KeyedMessage for Message {
@@ -244,8 +246,8 @@ impl Deliverer {
     /// One try through the engine.
     async fn deliver(&self, message: &Message) -> Verdict {
         let name = &self.settings.name;
-        let key = match message_key(&self.settings.sources, message) {
-            Ok(key) => key,
+        let key = match self.key_of(message) {
+            Ok(key) => key.clone(),
             Err(e) => {
                 return Verdict::DeadLetter(format!("no usable business key: {e}"));
             }
@@ -296,9 +298,9 @@ impl Deliverer {
         if matches!(
             outcome,
             MessageOutcome::Forwarded | MessageOutcome::Duplicate | MessageOutcome::DeadLettered
-        ) && let Ok(key) = message_key(&self.settings.sources, message)
+        ) && let Ok(key) = self.key_of(message)
         {
-            self.forget(&key);
+            self.forget(key);
         }
         self.counters.record(outcome);
     }
@@ -386,6 +388,12 @@ impl Deliverer {
         let count = failures.entry(key.to_owned()).or_default();
         *count += 1;
         *count
+    }
+
+    fn key_of<'m>(&self, message: &'m Message) -> &'m Result<String, crate::callback::KeyError> {
+        message
+            .key
+            .get_or_init(|| message_key(&self.settings.sources, message))
     }
 
     fn failures_of(&self, key: &str) -> u32 {

@@ -298,6 +298,7 @@ fn to_message(message: &jetstream::Message) -> Message {
         content_type,
         body: message.payload.clone(),
         delivery_count,
+        key: std::sync::OnceLock::new(),
     }
 }
 

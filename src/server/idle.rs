@@ -37,7 +37,6 @@ impl Activity {
 
     fn touch(&self) {
         *self.last_change.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
-        self.changed.notify_one();
     }
 
     fn last_change(&self) -> Instant {
@@ -123,6 +122,7 @@ where
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         self.activity.in_flight.fetch_add(1, Ordering::AcqRel);
         self.activity.touch();
+        self.activity.changed.notify_one();
         let guard = InFlight(self.activity.clone());
         let answer = self.inner.call(req);
         Box::pin(async move {
