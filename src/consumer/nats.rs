@@ -226,7 +226,14 @@ async fn dead_letter(
         }
     }
     // JetStream's own de-duplication must not swallow the copy.
-    headers.insert("Nats-Msg-Id", format!("dlq-{}", uuid::Uuid::now_v7()));
+    // Named by the original's place in its stream: a copy published again
+    // (its ack was lost, the redelivery dead-letters once more) is dropped
+    // by JetStream's own de-duplication window.
+    let id = match message.info() {
+        Ok(info) => format!("dlq-{}-{}", info.stream, info.stream_sequence),
+        Err(_) => format!("dlq-{}", uuid::Uuid::now_v7()),
+    };
+    headers.insert("Nats-Msg-Id", id);
     headers.insert("Idemgate-Reason", sanitize(reason));
     headers.insert("Idemgate-Consumer", d.settings().name.to_string());
     headers.insert("Idemgate-Subject", message.subject.to_string());

@@ -585,6 +585,15 @@ mod tests {
             assert!(!is_forwarded(bad.as_bytes()), "{bad}");
         }
         h.insert(header::HOST, "shop.example:8443".parse().unwrap());
+        // `Connection: forwarded` cannot strip it: the gateway's element
+        // stays last.
+        h.insert(header::CONNECTION, "forwarded".parse().unwrap());
+        h.insert(header::FORWARDED, "for=1.1.1.1".parse().unwrap());
+        assert_eq!(
+            request_headers(&h, Some(&v4), None)[header::FORWARDED],
+            "for=1.1.1.1, for=10.1.2.3;proto=http;host=\"shop.example:8443\""
+        );
+        h.remove(header::CONNECTION);
         // None sent, none added: upstreams read X-Forwarded-*.
         h.remove(header::FORWARDED);
         assert!(
