@@ -48,12 +48,17 @@ use std::time::Duration;
 
 use http::HeaderName;
 
-use crate::callback::{CallbackPolicy, KeySource};
+use crate::callback::KeySource;
 use crate::config::StoreConfig;
-use crate::idempotency::{Engine, EngineSettings, Holders, IdempotencyLayer, KeyPolicy};
+use crate::idempotency::{Engine, EngineSettings, Holders};
 use crate::metrics::Metrics;
-use crate::store::{Store, StoreError};
-use crate::token::{TokenEndpoint, TokenKeys, TokenPolicy};
+use crate::store::Store;
+use crate::token::TokenKeys;
+
+pub use crate::callback::CallbackPolicy;
+pub use crate::idempotency::{IdempotencyLayer, IdempotencyService, KeyPolicy, ResponseFuture};
+pub use crate::store::StoreError;
+pub use crate::token::{TokenEndpoint, TokenPolicy};
 
 /// The default bound on a handler's whole answer.
 pub const DEFAULT_HANDLER_DEADLINE: Duration = Duration::from_secs(10);
@@ -252,11 +257,6 @@ impl Idempotency {
         ))
     }
 
-    /// The store, for inspecting records (`find`, `get`) and purging.
-    pub fn store(&self) -> &Store {
-        &self.inner.store
-    }
-
     /// Prometheus text of this instance's counters.
     pub fn metrics(&self) -> String {
         self.inner.metrics.render()
@@ -270,3 +270,9 @@ impl Drop for AbortOnDrop {
         self.0.abort();
     }
 }
+
+/// The README's library section, compiled as a doc test: what a newcomer
+/// copies must build.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeLibrarySection;

@@ -23,7 +23,7 @@ pub struct CallbackPolicy {
 
 impl CallbackPolicy {
     /// A policy over validated sources and an optional verifier.
-    pub fn new(sources: Vec<KeySource>, verifier: Option<Verifier>) -> Self {
+    pub(crate) fn new(sources: Vec<KeySource>, verifier: Option<Verifier>) -> Self {
         CallbackPolicy {
             sources: sources.into(),
             verifier: verifier.map(Arc::new),

@@ -10,7 +10,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, Request, Response};
-use tower::{Layer, Service};
+use tower::{Layer, Service, ServiceExt};
 
 use super::engine::Engine;
 use crate::error::Problem;
@@ -79,16 +79,16 @@ pub struct IdempotencyLayer<P> {
 
 impl<P> IdempotencyLayer<P> {
     /// A layer running `policy` through `engine`.
-    pub fn new(engine: Engine, policy: P) -> Self {
+    pub(crate) fn new(engine: Engine, policy: P) -> Self {
         IdempotencyLayer { engine, policy }
     }
 }
 
 impl<S, P: Clone> Layer<S> for IdempotencyLayer<P> {
-    type Service = Idempotency<S, P>;
+    type Service = IdempotencyService<S, P>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency {
+        IdempotencyService {
             inner,
             engine: self.engine.clone(),
             policy: self.policy.clone(),
@@ -96,22 +96,29 @@ impl<S, P: Clone> Layer<S> for IdempotencyLayer<P> {
     }
 }
 
-/// The service [`IdempotencyLayer`] makes.
+/// The service [`IdempotencyLayer`] makes: any request body in, the inner
+/// service's answer (any body) out, both as [`axum::body::Body`] to the
+/// engine, which buffers the request body to fingerprint it and stores
+/// the answer it relays.
 #[derive(Clone)]
-pub struct Idempotency<S, P> {
+pub struct IdempotencyService<S, P> {
     inner: S,
     engine: Engine,
     policy: P,
 }
 
-impl<S, P> Service<Request<Body>> for Idempotency<S, P>
+impl<S, P, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotencyService<S, P>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+    S: Service<Request<Body>, Response = Response<ResBody>, Error = Infallible>
         + Clone
         + Send
         + Sync
         + 'static,
     S::Future: Send,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<axum::BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
     P: Policy,
 {
     type Response = Response<Body>;
@@ -125,17 +132,28 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let engine = self.engine.clone();
         let policy = self.policy.clone();
-        let inner = self.inner.clone();
+        let inner = self.inner.clone().map_response(boxed_body as fn(_) -> _);
+        let req = req.map(Body::new);
         ResponseFuture {
             inner: Box::pin(async move { Ok(engine.handle(policy, inner, req).await) }),
         }
     }
 }
 
-/// The response future of [`Idempotency`].
+/// The inner service's answer with its body as the engine's one type
+/// (`Body::new` passes an `axum::body::Body` through unwrapped).
+fn boxed_body<B>(response: Response<B>) -> Response<Body>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    response.map(Body::new)
+}
+
+/// The response future of [`IdempotencyService`].
 pub struct ResponseFuture {
     inner: Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>,
 }
@@ -261,6 +279,42 @@ mod tests {
         assert_eq!(other.status(), 422);
         let missing = service.oneshot(order(None, "{}")).await.unwrap();
         assert_eq!(missing.status(), 400);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn any_request_and_response_body_type_goes_through_the_layer() {
+        // A plain hyper-style service: `Full<Bytes>` in, `String` out. The
+        // layer must fingerprint the first and store the second.
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = calls.clone();
+        let service = ServiceBuilder::new()
+            .layer(layer(OnConcurrent::Reject).await)
+            .service(tower::service_fn(move |req: Request<Body>| {
+                let calls = counted.clone();
+                async move {
+                    let body = http_body_util::BodyExt::collect(req.into_body())
+                        .await
+                        .unwrap()
+                        .to_bytes();
+                    let n = calls.fetch_add(1, Ordering::SeqCst);
+                    let answer = format!("call {n} got {}", String::from_utf8_lossy(&body));
+                    Ok::<_, Infallible>(Response::new(answer))
+                }
+            }));
+        let order = |body: &'static str| {
+            Request::post("/orders")
+                .header("idempotency-key", "k")
+                .body(http_body_util::Full::new(Bytes::from_static(body.as_bytes())))
+                .unwrap()
+        };
+        let first = service.clone().oneshot(order("{}")).await.unwrap();
+        assert_eq!(text(first).await, "call 0 got {}");
+        let again = service.clone().oneshot(order("{}")).await.unwrap();
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(text(again).await, "call 0 got {}");
+        let other = service.oneshot(order("{\"x\":1}")).await.unwrap();
+        assert_eq!(other.status(), 422);
         assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
 

@@ -24,7 +24,7 @@ pub mod layer;
 pub use engine::{Engine, EngineSettings, IdempotencyError, OnConcurrent};
 pub use holder::Holders;
 pub use key::KeyPolicy;
-pub use layer::{Head, IdempotencyLayer, Policy};
+pub use layer::{Head, IdempotencyLayer, IdempotencyService, Policy, ResponseFuture};
 
 /// How a forward failed, set by the inner service (the proxy) on its error
 /// response, so that the holder knows what the failure means for a claim.

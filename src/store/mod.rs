@@ -157,12 +157,26 @@ pub enum Claim {
 /// Why a store operation failed. Every variant means "fail closed".
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// The database refused or dropped the operation.
     #[error("SQL store unavailable during {op}: {cause}")]
-    Unavailable { op: &'static str, cause: String },
+    Unavailable {
+        /// The operation (`claim`, `complete`, `connect`, …).
+        op: &'static str,
+        /// The database's error, its URL credentials redacted.
+        cause: String,
+    },
+    /// The database did not answer within the store timeout.
     #[error("SQL store did not answer {op} within {after:?}")]
-    Timeout { op: &'static str, after: Duration },
+    Timeout {
+        /// The operation (`claim`, `complete`, `connect`, …).
+        op: &'static str,
+        /// The store timeout that passed.
+        after: Duration,
+    },
+    /// A record could not be decoded.
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
+    /// The schema migrations could not be applied.
     #[error("migrations failed: {0}")]
     Migrate(String),
 }

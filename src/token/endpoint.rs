@@ -35,7 +35,7 @@ struct Issued {
 
 impl TokenEndpoint {
     /// Issues tokens valid for `ttl`, bindable to any of `token_routes`.
-    pub fn new(
+    pub(crate) fn new(
         keys: Arc<TokenKeys>,
         ttl: Duration,
         identity_header: HeaderName,

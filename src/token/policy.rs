@@ -25,7 +25,7 @@ pub struct TokenPolicy {
 
 impl TokenPolicy {
     /// The policy of `route`.
-    pub fn new(keys: Arc<TokenKeys>, route: &str) -> Self {
+    pub(crate) fn new(keys: Arc<TokenKeys>, route: &str) -> Self {
         TokenPolicy {
             keys,
             route: route.into(),

@@ -1,0 +1,149 @@
+//! `idemgate check-config`: the listeners, the route table, the consumers
+//! and the warnings of a configuration that loaded.
+
+use crate::config::Config;
+
+/// Everything `check-config` prints, in order.
+pub(super) fn print(config: &Config) {
+    print_endpoints(config);
+    print_route_table(config);
+    print_warnings(config);
+}
+
+/// What a valid config still risks, one line each on stderr (beside the
+/// refusals, which go there too); the exit status stays 0.
+fn print_warnings(config: &Config) {
+    for w in config.warnings() {
+        eprintln!("warning: {}: {}", w.key, w.reason);
+    }
+}
+
+/// Each listener's and each upstream's scheme and protocols.
+fn print_endpoints(config: &Config) {
+    let server = &config.server;
+    let (scheme, protocols) = match (&server.tls, server.http2) {
+        (Some(_), true) => ("https", "HTTP/1.1, h2 (ALPN)"),
+        (Some(_), false) => ("https", "HTTP/1.1"),
+        (None, true) => ("http", "HTTP/1.1, h2c (prior knowledge)"),
+        (None, false) => ("http", "HTTP/1.1"),
+    };
+    println!(
+        "{:<20} {:<22} {:<7} PROTOCOLS",
+        "LISTENER", "ADDRESS", "SCHEME"
+    );
+    println!(
+        "{:<20} {:<22} {:<7} {protocols}",
+        "public", server.listen, scheme
+    );
+    println!(
+        "{:<20} {:<22} {:<7} HTTP/1.1",
+        "admin", server.admin_listen, "http"
+    );
+    println!();
+    println!(
+        "{:<20} {:<34} {:<7} {:<9} TLS",
+        "UPSTREAM", "URL", "SCHEME", "PROTOCOL"
+    );
+    for u in &config.upstreams {
+        let https = u.url.to_ascii_lowercase().starts_with("https://");
+        let protocol = match (u.http2, https) {
+            (false, _) => "HTTP/1.1",
+            (true, true) => "h2",
+            (true, false) => "h2c",
+        };
+        let tls = if !https {
+            "-".to_owned()
+        } else {
+            let trust = match &u.ca_file {
+                Some(ca) => format!("ca_file {ca}"),
+                None => "system roots".to_owned(),
+            };
+            match &u.client_cert {
+                Some(cert) => format!("{trust}; client_cert {cert} (mutual TLS)"),
+                None => trust,
+            }
+        };
+        println!(
+            "{:<20} {:<34} {:<7} {:<9} {tls}",
+            u.name,
+            u.url,
+            if https { "https" } else { "http" },
+            protocol
+        );
+    }
+    println!();
+}
+
+fn print_route_table(config: &Config) {
+    println!(
+        "{:<20} {:<10} {:<28} {:<12} {:<9} IDEMPOTENCY",
+        "ROUTE", "METHODS", "PATH", "UPSTREAM", "KIND"
+    );
+    for r in &config.routes {
+        let methods = if r.methods.is_empty() {
+            "*".to_owned()
+        } else {
+            r.methods.join(",")
+        };
+        let path = match (&r.path, &r.path_prefix) {
+            (Some(p), _) => p.clone(),
+            (None, Some(p)) => format!("{p}*"),
+            _ => String::new(),
+        };
+        let policy = match r.kind {
+            crate::config::RouteKind::Callback => {
+                format!("business_key {}", r.business_key.join("+"))
+            }
+            crate::config::RouteKind::Sync => r.idempotency().to_string(),
+        };
+        println!(
+            "{:<20} {:<10} {:<28} {:<12} {:<9} {}",
+            r.name,
+            methods,
+            path,
+            r.upstream,
+            r.kind.to_string(),
+            policy
+        );
+    }
+    if !config.consumers.is_empty() {
+        println!();
+        println!(
+            "{:<20} {:<9} {:<34} {:<24} {:<12} {:<16} BUSINESS KEY",
+            "CONSUMER", "BROKER", "SOURCE", "QUEUE / STREAM", "UPSTREAM", "PATH"
+        );
+    }
+    for c in &config.consumers {
+        let (broker, from) = match c.broker() {
+            Some(crate::config::Broker::Amqp) => ("rabbitmq", c.queue.clone().unwrap_or_default()),
+            Some(crate::config::Broker::Nats) => (
+                "jetstream",
+                format!(
+                    "{} / {}",
+                    c.stream.as_deref().unwrap_or_default(),
+                    c.durable_name()
+                ),
+            ),
+            None => ("?", String::new()),
+        };
+        println!(
+            "{:<20} {:<9} {:<34} {:<24} {:<12} {:<16} {} (prefetch {}, max_deliveries {}, retry_delay {})",
+            c.name,
+            broker,
+            crate::gateway::redact(&c.source),
+            from,
+            c.upstream,
+            c.path,
+            c.business_key.join("+"),
+            c.prefetch,
+            c.max_deliveries,
+            humantime::format_duration(c.retry_delay.get()),
+        );
+    }
+    println!(
+        "ok: {} route(s), {} upstream(s), {} consumer(s)",
+        config.routes.len(),
+        config.upstreams.len(),
+        config.consumers.len()
+    );
+}

@@ -1,0 +1,236 @@
+//! The command lines of the two binaries: `idemgate` (serve, demo,
+//! check-config, migrate, keys, sweep) and `demo-upstream`. They live in
+//! the library so that the binaries are two lines each and everything the
+//! commands use stays private to the crate.
+
+mod check_config;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{Config, DEFAULT_CONFIG_PATH};
+
+#[derive(Parser)]
+#[command(name = "idemgate", version, about = "HTTP idempotency gateway")]
+struct Cli {
+    /// Configuration file.
+    #[arg(long, global = true, default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway (the default).
+    Serve,
+    /// Run the gateway and the demo upstream on the embedded store.
+    Demo,
+    /// Validate the configuration and print the route table.
+    CheckConfig,
+    /// Apply the SQL migrations (serve also applies them).
+    Migrate,
+    /// Inspect or remove idempotency records.
+    Keys {
+        #[command(subcommand)]
+        action: KeysAction,
+    },
+    /// Delete (or archive) expired records now.
+    Sweep,
+}
+
+#[derive(Subcommand)]
+enum KeysAction {
+    /// Print the record(s) of ROUTE and KEY: state, epoch, lease, fingerprint, status, ages.
+    Show {
+        route: String,
+        key: String,
+        /// The client's identity header value; default: every client.
+        #[arg(long)]
+        client: Option<String>,
+    },
+    /// Remove the record(s) of ROUTE and KEY from SQL and the fast layer.
+    Purge {
+        route: String,
+        key: String,
+        /// The client's identity header value; default: every client.
+        #[arg(long)]
+        client: Option<String>,
+    },
+}
+
+/// `idemgate [--config FILE] [COMMAND]`: parses the arguments, loads the
+/// configuration and runs the command (`serve` by default). Exit code 2 for
+/// a configuration that does not load, 1 for a command that fails.
+pub fn idemgate() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let command = cli.command.unwrap_or(Command::Serve);
+    let config = match Config::load(&cli.config) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    match command {
+        Command::CheckConfig => {
+            check_config::print(&config);
+            ExitCode::SUCCESS
+        }
+        Command::Serve => run_to_exit("idemgate", async {
+            crate::gateway::run(config).await.map_err(|e| e.to_string())
+        }),
+        Command::Demo => run_to_exit("idemgate", async {
+            crate::demo::run(config).await.map_err(|e| e.to_string())
+        }),
+        Command::Migrate => run_to_exit("idemgate", async move {
+            open_store(&config).await?;
+            println!(
+                "migrations applied to {}",
+                crate::gateway::redact(&config.store.database_url)
+            );
+            Ok(())
+        }),
+        Command::Sweep => run_to_exit("idemgate", async move {
+            let store = open_store(&config).await?;
+            let n = crate::store::sweep::sweep_once(store.sql(), config.store.archive)
+                .await
+                .map_err(|e| e.to_string())?;
+            let verb = if config.store.archive {
+                "archived"
+            } else {
+                "deleted"
+            };
+            println!("{verb} {n} expired record(s)");
+            Ok(())
+        }),
+        Command::Keys { action } => {
+            run_to_exit("idemgate", async move { keys(&config, action).await })
+        }
+    }
+}
+
+async fn open_store(config: &Config) -> Result<crate::store::Store, String> {
+    let metrics = std::sync::Arc::new(config.metrics());
+    crate::store::open(&config.store.options(), metrics)
+        .await
+        .map(|(store, _)| store)
+        .map_err(|e| e.to_string())
+}
+
+async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
+    let store = open_store(config).await?;
+    let scope = |client: &Option<String>| {
+        client
+            .as_ref()
+            .map(|c| crate::identity::client_scope(Some(c.as_bytes())))
+    };
+    match action {
+        KeysAction::Show { route, key, client } => {
+            let scope = scope(&client);
+            let records: Vec<_> = store
+                .find_for_operator(&route, &key)
+                .await
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .filter(|r| scope.as_ref().is_none_or(|s| &r.key.scope == s))
+                .map(|r| r.describe())
+                .collect();
+            if records.is_empty() {
+                return Err(format!(
+                    "no record for route {route:?} key {:?}",
+                    key.escape_debug().to_string()
+                ));
+            }
+            for record in records {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&record).unwrap_or_default()
+                );
+            }
+            Ok(())
+        }
+        KeysAction::Purge { route, key, client } => {
+            let purged = store
+                .purge_for_operator(&route, &key, scope(&client).as_deref())
+                .await
+                .map_err(|e| e.to_string())?;
+            if purged.removed > 0 {
+                // Until every gateway's in-process fast layer has read the
+                // purge log, one of them could still replay the key.
+                tokio::time::sleep(crate::store::purges::settle(config.store.timeout.get())).await;
+            }
+            println!("purged {} record(s)", purged.removed);
+            if purged.held > 0 {
+                // A purge never lets a second request run beside the first.
+                return Err(format!(
+                    "record-in-flight: {} record(s) held under a live lease were kept; purge again once the request has finished",
+                    purged.held
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Runs `f` on a new multi-threaded runtime; an error is printed after
+/// `program:` and exits 1.
+fn run_to_exit(
+    program: &str,
+    f: impl std::future::Future<Output = Result<(), String>>,
+) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(f) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{program}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
+        // lapin logs every closed channel as an error of its own; the
+        // consumer logs the same event once, with the consumer and queue.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"));
+    // Colours only on a terminal: log files and collectors get plain text.
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// `demo-upstream [ADDR]`: the demo order/payment/coupon service on its own
+/// (default `127.0.0.1:9001`, or `DEMO_UPSTREAM_LISTEN`), until SIGTERM or
+/// Ctrl-C.
+pub fn demo_upstream() -> ExitCode {
+    init_logging();
+    let addr = std::env::args()
+        .nth(1)
+        .or_else(|| std::env::var("DEMO_UPSTREAM_LISTEN").ok())
+        .unwrap_or_else(|| "127.0.0.1:9001".into());
+    run_to_exit("demo-upstream", async move {
+        let upstream = crate::demo_upstream::start(&addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        println!("demo-upstream listening on http://{}", upstream.addr);
+        crate::server::termination().await;
+        upstream.shutdown().await;
+        Ok(())
+    })
+}
