@@ -62,6 +62,7 @@
 //! - `demo_upstream`: the order/payment/coupon service the demo, tests and
 //!   load tests run against.
 //! - `demo`: `idemgate demo`, the gateway and the demo upstream together.
+//! - `request_id`: `X-Request-Id`, kept or made (UUID v7).
 //!
 //! The imports point one way (`tests/layering.rs` fails on a cycle): at the
 //! bottom `error`, `identity`, `request_id`, `hop_by_hop`, `tls`, `metrics`;

@@ -541,11 +541,13 @@ async fn sigterm_records_the_outcome_of_a_request_whose_client_hung_up() {
     let mut gateway = support::spawn_gateway(&config);
     support::wait_up(&http, &format!("http://{listen}/")).await;
     let addr: SocketAddr = listen.parse().unwrap();
+    let before = upstream.state.stats().requests;
     let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
     let request = "POST /actions/term HTTP/1.1\r\nHost: gw\r\nIdempotency-Key: t-1\r\n\
                    X-Demo-Delay-Ms: 1500\r\nContent-Length: 2\r\n\r\n{}";
     socket.write_all(request.as_bytes()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The claim is won and the action is running upstream: now hang up.
+    support::reached(&upstream, before + 1).await;
     drop(socket);
     std::process::Command::new("kill")
         .args(["-TERM", &gateway.id().to_string()])

@@ -159,17 +159,28 @@ async fn an_axum_app_with_the_three_layers_executes_each_action_once() {
         )
         .await
         .unwrap();
+    // The example has no "started" signal to wait for: 200 ms stands for
+    // "the request has reached the handler" (it takes 800 ms).
     tokio::time::sleep(Duration::from_millis(200)).await;
     drop(socket);
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let retry = http
-        .send(
-            "POST",
-            &orders,
-            &[("idempotency-key", "slow-1"), ("x-slow-ms", "800")],
-            "{}",
-        )
-        .await;
+    // Retried until the handler is done: `409 in flight` before that.
+    let mut retry = None;
+    for _ in 0..50 {
+        let answer = http
+            .send(
+                "POST",
+                &orders,
+                &[("idempotency-key", "slow-1"), ("x-slow-ms", "800")],
+                "{}",
+            )
+            .await;
+        if answer.status != 409 {
+            retry = Some(answer);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let retry = retry.expect("the handler never finished");
     assert_eq!(retry.status, 201);
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
 

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The memory row of loadtest/run.sh on its own, quick enough to try a
+# setting: a fresh TLS gateway in front of nginx, 500 HTTP/1.1 and 500 h2
+# client connections under load for SECONDS, RSS idle / loaded / peak, and
+# where the resident memory is (anonymous heap vs. file-backed). Extra
+# environment is passed to the gateway, so allocator settings can be tried
+# without a rebuild, e.g. `_RJEM_MALLOC_CONF=narenas:2 loadtest/memory.sh`.
+# Only 127.0.0.1 is targeted; the load is bounded in time.
+#
+#   loadtest/memory.sh [SECONDS]
+#
+# RATE=N caps the load at N requests/s in all (half per protocol): the
+# connections stay open while only a few requests are in flight, which is
+# "1,000 clients" rather than "1,000 requests in flight at once".
+# PLAIN=1 measures the same without TLS (HTTP/1.1 and h2c), to tell what
+# TLS costs per connection.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-8}
+WORK=$(mktemp -d /tmp/idemgate-memory.XXXX)
+command -v oha >/dev/null || cargo install oha --locked
+command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light; }
+if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
+  BIN=$IDEMGATE_BIN_DIR
+else
+  cargo build --release -q --bins
+  BIN=target/release
+fi
+
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+cat > "$WORK/nginx.conf" <<EOF
+worker_processes 2;
+pid $WORK/nginx.pid;
+error_log $WORK/error.log warn;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path $WORK;
+  server { listen 127.0.0.1:18581; location / { default_type application/json; return 200 "{\"ok\":true,\"order\":\"ord_1\"}"; } }
+}
+EOF
+nginx -p "$WORK" -c "$WORK/nginx.conf"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+  -subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 \
+  -keyout "$WORK/tls.key" -out "$WORK/tls.pem" 2>/dev/null
+SCHEME=https
+TLS_SECTION=$(printf '[server.tls]\ncert = "%s"\nkey = "%s"' "$WORK/tls.pem" "$WORK/tls.key")
+if [ "${PLAIN:-0}" = 1 ]; then SCHEME=http; TLS_SECTION=; fi
+cat > "$WORK/idemgate.toml" <<EOF
+[server]
+listen = "127.0.0.1:18580"
+admin_listen = "127.0.0.1:18590"
+max_connections = 20000
+$TLS_SECTION
+[store]
+database_url = "sqlite://$WORK/idemgate.db"
+[[upstreams]]
+name = "nginx"
+url = "http://127.0.0.1:18581"
+[[routes]]
+name = "pass"
+methods = ["GET"]
+path_prefix = "/pass/"
+upstream = "nginx"
+EOF
+IDEMGATE_LOG=warn setsid "$BIN/idemgate" serve --config "$WORK/idemgate.toml" & GW=$!; pids+=($GW)
+for _ in $(seq 1 100); do curl -sk -o /dev/null $SCHEME://127.0.0.1:18580/pass/x && break; sleep 0.1; done
+
+kib() { awk -v k="$2" '$1 == k":" {print $2}' "/proc/$1/status"; }
+IDLE=$(kib $GW VmRSS)
+LIMIT=()
+[ -n "${RATE:-}" ] && LIMIT=(-q $((RATE / 2)))
+oha -z "${SECS}s" -c 500 "${LIMIT[@]}" --no-tui --insecure $SCHEME://127.0.0.1:18580/pass/x >/dev/null 2>&1 & O1=$!
+oha -z "${SECS}s" -c 500 --http2 -p 1 "${LIMIT[@]}" --no-tui --insecure $SCHEME://127.0.0.1:18580/pass/x >/dev/null 2>&1 & O2=$!
+sleep $((SECS - 2))
+LOADED=$(kib $GW VmRSS)
+CONNS=$(ss -Htn state established '( sport = :18580 )' | wc -l)
+UPSTREAM=$(ss -Htn state established '( dport = :18581 )' | wc -l)
+ANON=$(kib $GW RssAnon)
+FILE=$(kib $GW RssFile)
+wait $O1 $O2 || true
+PEAK=$(kib $GW VmHWM)
+echo "client connections $CONNS, upstream connections $UPSTREAM"
+echo "RSS idle $((IDLE / 1024)) MiB, loaded $((LOADED / 1024)) MiB (anonymous $((ANON / 1024)), file $((FILE / 1024))), peak $((PEAK / 1024)) MiB"
