@@ -17,6 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-8}
+(( SECS >= 4 )) || { echo "SECONDS must be at least 4" >&2; exit 2; }
 WORK=$(mktemp -d /tmp/idemgate-memory.XXXX)
 command -v oha >/dev/null || cargo install oha --locked
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light; }
@@ -31,6 +32,7 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
+  rm -rf "$WORK"
 }
 trap cleanup EXIT
 

@@ -23,10 +23,11 @@
 //!
 //! # Public API
 //!
-//! [`library`] (re-exported here) and [`cli`] are the whole public API.
-//! The gateway's modules below are private to the crate; the `internals`
-//! feature exposes them, hidden and unstable, to this package's own tests
-//! and benchmarks only.
+//! [`library`] (its [`Idempotency`] and [`Builder`] also here) and [`cli`]
+//! (the binaries' entry points) are the whole public API. The gateway's
+//! modules below are not part of it: the `internals` feature shows them,
+//! hidden and with no stability promise, to this package's own tests and
+//! benchmarks.
 //!
 //! # Layout
 //!
@@ -80,39 +81,123 @@ pub mod library;
 
 pub use library::{Builder, Idempotency};
 
-/// The gateway's modules: `pub`, hidden and unstable with the `internals`
-/// feature (this package's tests and benchmarks), private otherwise.
-macro_rules! internal {
-    ($($name:ident),* $(,)?) => {$(
-        #[cfg(feature = "internals")]
-        #[doc(hidden)]
-        pub mod $name;
-        // Their `pub` items are the crate's own interface between modules,
-        // and some exist for the tests only.
-        #[cfg(not(feature = "internals"))]
-        #[allow(unreachable_pub, dead_code, unused_imports)]
-        mod $name;
-    )*};
-}
-
-internal!(
-    admin,
-    callback,
-    config,
-    consumer,
-    demo,
-    demo_upstream,
-    error,
-    gateway,
-    hop_by_hop,
-    idempotency,
-    identity,
-    metrics,
-    proxy,
-    request_id,
-    router,
-    server,
-    store,
-    tls,
-    token,
-);
+// The gateway's modules: `pub`, hidden and unstable with the `internals`
+// feature (this package's tests and benchmarks), private otherwise. Their
+// `pub` items are the crate's own interface between modules, and some exist
+// for the tests only. Written out in pairs rather than by a macro: rustfmt
+// (and `cargo fmt --check` in CI) does not follow modules declared inside a
+// macro.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod admin;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod admin;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod callback;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod callback;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod config;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod config;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod consumer;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod consumer;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod demo;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod demo;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod demo_upstream;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod demo_upstream;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod error;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod error;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod gateway;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod gateway;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod hop_by_hop;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod hop_by_hop;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod idempotency;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod idempotency;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod identity;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod identity;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod metrics;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod metrics;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod proxy;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod proxy;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod request_id;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod request_id;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod router;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod router;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod server;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod server;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod store;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod store;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod tls;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod tls;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod token;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod token;

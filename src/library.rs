@@ -132,6 +132,19 @@ impl Builder {
         self
     }
 
+    /// The time a client has to send a protected request's body (default
+    /// 30 s); past it the request is refused before any claim.
+    pub fn body_read_timeout(mut self, timeout: Duration) -> Self {
+        self.body_read_timeout = timeout;
+        self
+    }
+
+    /// How long a `/token` token can be used (default 10 min).
+    pub fn token_ttl(mut self, ttl: Duration) -> Self {
+        self.token_ttl = ttl;
+        self
+    }
+
     /// The HMAC secret of tokens (default: random per process).
     pub fn token_secret(mut self, secret: impl Into<String>) -> Self {
         self.token_secret = secret.into();
@@ -276,3 +289,72 @@ impl Drop for AbortOnDrop {
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeLibrarySection;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use axum::body::Body;
+    use http::{Request, StatusCode};
+    use tower::{ServiceBuilder, ServiceExt};
+
+    use super::*;
+
+    async fn in_memory(builder: Builder) -> Idempotency {
+        builder
+            .database_url("sqlite::memory:")
+            .build()
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_body_slower_than_body_read_timeout_is_refused_before_the_handler() {
+        let idempotency =
+            in_memory(Idempotency::builder().body_read_timeout(Duration::from_millis(100))).await;
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = calls.clone();
+        let service = ServiceBuilder::new()
+            .layer(idempotency.key_layer("orders"))
+            .service(tower::service_fn(move |_req: Request<Body>| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty())) }
+            }));
+        // A body that never ends.
+        let body = futures_util::stream::pending::<Result<bytes::Bytes, std::io::Error>>();
+        let request = Request::post("/orders")
+            .header("idempotency-key", "slow")
+            .body(Body::from_stream(body))
+            .unwrap();
+        // Well before the default 30 s: the setting is what ended it.
+        let answer = tokio::time::timeout(Duration::from_secs(5), service.oneshot(request))
+            .await
+            .expect("refused within the configured 100 ms")
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::REQUEST_TIMEOUT);
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn token_ttl_sets_the_lifetime_of_issued_tokens() {
+        let idempotency =
+            in_memory(Idempotency::builder().token_ttl(Duration::from_secs(42))).await;
+        let answer = idempotency
+            .token_endpoint(&["checkout"])
+            .oneshot(
+                Request::post("/token?route=checkout")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::CREATED);
+        let body = http_body_util::BodyExt::collect(answer.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["ttl_seconds"], 42, "{json}");
+    }
+}

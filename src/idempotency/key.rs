@@ -84,7 +84,7 @@ fn unquote(inner: &[u8]) -> Result<Vec<u8>, KeyError> {
 #[derive(Debug, Clone, Copy)]
 pub struct KeyPolicy {
     /// A missing key is 400 (true) or forwarded unprotected (false).
-    pub require_key: bool,
+    pub(crate) require_key: bool,
 }
 
 impl Policy for KeyPolicy {

@@ -305,7 +305,9 @@ mod tests {
         let order = |body: &'static str| {
             Request::post("/orders")
                 .header("idempotency-key", "k")
-                .body(http_body_util::Full::new(Bytes::from_static(body.as_bytes())))
+                .body(http_body_util::Full::new(Bytes::from_static(
+                    body.as_bytes(),
+                )))
                 .unwrap()
         };
         let first = service.clone().oneshot(order("{}")).await.unwrap();
