@@ -147,9 +147,15 @@ pub(super) async fn send(
 ///   so a refused certificate arrives as an alert on the first read. The
 ///   server never accepted the connection, so nothing was processed.
 /// - HTTP/2 `REFUSED_STREAM` on the stream: the upstream says it did not
-///   process it (RFC 9113 §8.7). (A stream cut by `GOAWAY` is not told
-///   apart: h2 gives the streams above the last processed id the same
-///   error as the ones a failing connection abandons mid-work.)
+///   process it (RFC 9113 §8.7).
+/// - HTTP/2 graceful `GOAWAY` (`NO_ERROR`) naming a last stream below this
+///   one (§6.8: such streams were not processed and may be retried). h2
+///   gives a remote GOAWAY error only to the streams above the last id;
+///   the streams at or below it go on, and if the connection then dies they
+///   get a broken-pipe error instead. A `GOAWAY` with an error code stays
+///   uncertain even above the last id: an upstream failing with an error
+///   is not trusted to know what it processed, and the retry of an
+///   uncertain record still carries the same `Idempotency-Key`.
 /// - Anything else: the request may have been processed.
 fn classify(e: &hyper::Error, reused: bool) -> SendError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
@@ -158,11 +164,16 @@ fn classify(e: &hyper::Error, reused: bool) -> SendError {
             return SendError::Tls(e.to_string());
         }
         if let Some(h2) = cause.downcast_ref::<h2::Error>()
-            && h2.is_reset()
             && h2.is_remote()
-            && h2.reason() == Some(h2::Reason::REFUSED_STREAM)
         {
-            return SendError::Connect(format!("the upstream did not process the stream: {h2}"));
+            let refused = h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+            let above_graceful_goaway =
+                h2.is_go_away() && h2.reason() == Some(h2::Reason::NO_ERROR);
+            if refused || above_graceful_goaway {
+                return SendError::Connect(format!(
+                    "the upstream did not process the stream: {h2}"
+                ));
+            }
         }
         source = cause.source();
     }

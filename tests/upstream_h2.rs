@@ -1,0 +1,249 @@
+//! An HTTP/2 upstream that refuses or abandons streams (SPEC §4: only a
+//! request that may have reached the upstream becomes `uncertain`). The
+//! upstream is a raw frame writer, so each refusal is exactly the frame the
+//! test names: `RST_STREAM(REFUSED_STREAM)` and a graceful `GOAWAY` below
+//! the stream say "not processed" (RFC 9113 §8.7, §6.8) and release the
+//! claim; a `GOAWAY` with an error code after the stream may have been
+//! processed, so the record turns `uncertain`.
+
+mod support;
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use idemgate::gateway;
+use idemgate::store::RecordState;
+use support::{Http, config};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What the upstream does with the next request (HEADERS frame) it gets.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    /// `RST_STREAM` with `REFUSED_STREAM`; the connection stays up.
+    Refuse,
+    /// `GOAWAY(NO_ERROR)` with last stream id 0, then close.
+    GoAwayBelow,
+    /// `GOAWAY(INTERNAL_ERROR)`, naming this stream as processed (`true`)
+    /// or not (`false`: last stream id 0), then close.
+    GoAwayFailed(bool),
+    /// `:status 200`, no body.
+    Answer,
+}
+
+struct H2Upstream {
+    addr: SocketAddr,
+    actions: Arc<Mutex<VecDeque<Action>>>,
+    /// Every request (HEADERS frame) received, whatever was done with it.
+    requests: Arc<Mutex<u32>>,
+}
+
+impl H2Upstream {
+    async fn start(actions: &[Action]) -> H2Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = H2Upstream {
+            addr: listener.local_addr().unwrap(),
+            actions: Arc::new(Mutex::new(actions.iter().copied().collect())),
+            requests: Arc::new(Mutex::new(0)),
+        };
+        let (actions, requests) = (upstream.actions.clone(), upstream.requests.clone());
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(serve(stream, actions.clone(), requests.clone()));
+            }
+        });
+        upstream
+    }
+
+    fn requests(&self) -> u32 {
+        *self.requests.lock().unwrap()
+    }
+}
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut out = len.to_be_bytes()[1..].to_vec();
+    out.extend([kind, flags]);
+    out.extend(stream.to_be_bytes());
+    out.extend(payload);
+    out
+}
+
+const SETTINGS: u8 = 4;
+const HEADERS: u8 = 1;
+const RST_STREAM: u8 = 3;
+const GOAWAY: u8 = 7;
+const ACK: u8 = 1;
+const END_STREAM_AND_HEADERS: u8 = 0x1 | 0x4;
+
+fn go_away(last: u32, code: u32) -> Vec<u8> {
+    let mut payload = last.to_be_bytes().to_vec();
+    payload.extend(code.to_be_bytes());
+    frame(GOAWAY, 0, 0, &payload)
+}
+
+async fn serve(
+    mut stream: TcpStream,
+    actions: Arc<Mutex<VecDeque<Action>>>,
+    requests: Arc<Mutex<u32>>,
+) {
+    let mut preface = [0u8; 24];
+    if stream.read_exact(&mut preface).await.is_err() {
+        return;
+    }
+    let _ = stream.write_all(&frame(SETTINGS, 0, 0, &[])).await;
+    loop {
+        let mut head = [0u8; 9];
+        if stream.read_exact(&mut head).await.is_err() {
+            return;
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let (kind, flags) = (head[3], head[4]);
+        let id = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        let mut payload = vec![0u8; len];
+        if stream.read_exact(&mut payload).await.is_err() {
+            return;
+        }
+        if kind == SETTINGS && flags & ACK == 0 {
+            let _ = stream.write_all(&frame(SETTINGS, ACK, 0, &[])).await;
+        }
+        if kind != HEADERS {
+            continue;
+        }
+        *requests.lock().unwrap() += 1;
+        let action = actions
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or(Action::Answer);
+        match action {
+            Action::Refuse => {
+                let refused_stream = 0x7u32.to_be_bytes();
+                let _ = stream
+                    .write_all(&frame(RST_STREAM, 0, id, &refused_stream))
+                    .await;
+            }
+            Action::GoAwayBelow => {
+                let _ = stream.write_all(&go_away(0, 0x0)).await;
+                let _ = stream.shutdown().await;
+                return;
+            }
+            Action::GoAwayFailed(processed) => {
+                let last = if processed { id } else { 0 };
+                let _ = stream.write_all(&go_away(last, 0x2)).await;
+                let _ = stream.shutdown().await;
+                return;
+            }
+            Action::Answer => {
+                // HPACK static table index 8: `:status 200`.
+                let answer = frame(HEADERS, END_STREAM_AND_HEADERS, id, &[0x88]);
+                let _ = stream.write_all(&answer).await;
+            }
+        }
+    }
+}
+
+const KEYED: &str = r#"
+    [[routes]]
+    name = "act"
+    methods = ["POST"]
+    path_prefix = "/"
+    upstream = "demo"
+    idempotency = "key"
+"#;
+
+async fn gateway_for(upstream: &H2Upstream) -> gateway::RunningGateway {
+    let mut config = config(upstream.addr, KEYED);
+    config.server.worker_threads = 1;
+    config.upstreams[0].http2 = true;
+    gateway::start(config).await.unwrap()
+}
+
+async fn post(http: &Http, gw: &gateway::RunningGateway, key: &str) -> support::Answer {
+    let url = format!("http://{}/actions/x", gw.public_addr);
+    http.send("POST", &url, &[("idempotency-key", key)], "{}")
+        .await
+}
+
+async fn states(gw: &gateway::RunningGateway, key: &str) -> Vec<RecordState> {
+    let records = gw.store.find("act", key).await.unwrap();
+    records.iter().map(|r| r.state).collect()
+}
+
+#[tokio::test]
+async fn a_refused_stream_releases_the_claim_and_the_retry_executes() {
+    let upstream = H2Upstream::start(&[Action::Refuse, Action::Answer]).await;
+    let gw = gateway_for(&upstream).await;
+    let http = Http::default();
+    let refused = post(&http, &gw, "r-1").await;
+    assert_eq!(refused.status, 502, "{refused:?}");
+    assert_eq!(
+        refused.problem_type(),
+        "urn:idemgate:problem:upstream-unavailable"
+    );
+    assert!(
+        !states(&gw, "r-1").await.contains(&RecordState::Uncertain),
+        "a refused stream was not processed: {:?}",
+        states(&gw, "r-1").await
+    );
+    let retry = post(&http, &gw, "r-1").await;
+    assert_eq!(retry.status, 200, "{retry:?}");
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert_eq!(upstream.requests(), 2);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stream_above_a_graceful_goaway_releases_the_claim() {
+    let upstream = H2Upstream::start(&[Action::GoAwayBelow, Action::Answer]).await;
+    let gw = gateway_for(&upstream).await;
+    let http = Http::default();
+    let cut = post(&http, &gw, "g-1").await;
+    assert_eq!(cut.status, 502, "{cut:?}");
+    assert_eq!(
+        cut.problem_type(),
+        "urn:idemgate:problem:upstream-unavailable"
+    );
+    assert!(
+        !states(&gw, "g-1").await.contains(&RecordState::Uncertain),
+        "a stream above the GOAWAY's last id was not processed: {:?}",
+        states(&gw, "g-1").await
+    );
+    // A new connection takes the retry, which executes and is recorded.
+    let retry = post(&http, &gw, "g-1").await;
+    assert_eq!(retry.status, 200, "{retry:?}");
+    let again = post(&http, &gw, "g-1").await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.requests(), 2);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_goaway_with_an_error_code_leaves_the_stream_uncertain() {
+    // Named as processed, then the connection failed: it may have acted.
+    // Not named: RFC 9113 would allow a retry, but an upstream failing with
+    // an error is not trusted to know what it processed; only a graceful
+    // GOAWAY releases the claim. Either way the record is uncertain and the
+    // retry runs again with the same `Idempotency-Key`.
+    let upstream =
+        H2Upstream::start(&[Action::GoAwayFailed(true), Action::GoAwayFailed(false)]).await;
+    let gw = gateway_for(&upstream).await;
+    let http = Http::default();
+    for key in ["e-1", "e-2"] {
+        let cut = post(&http, &gw, key).await;
+        assert_eq!(cut.status, 502, "{key}: {cut:?}");
+        assert_eq!(
+            cut.problem_type(),
+            "urn:idemgate:problem:upstream-broken",
+            "{key}"
+        );
+        assert_eq!(
+            states(&gw, key).await,
+            vec![RecordState::Uncertain],
+            "{key}"
+        );
+    }
+    assert_eq!(upstream.requests(), 2);
+    gw.shutdown().await;
+}
