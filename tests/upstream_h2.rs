@@ -4,13 +4,18 @@
 //! test names: `RST_STREAM(REFUSED_STREAM)` and a graceful `GOAWAY` below
 //! the stream say "not processed" (RFC 9113 §8.7, §6.8) and release the
 //! claim; a `GOAWAY` with an error code after the stream may have been
-//! processed, so the record turns `uncertain`.
+//! processed, so the record turns `uncertain`. And an upstream that allows
+//! 100 streams per connection gets a second connection for the 101st
+//! concurrent request, instead of a request waiting unsent until it times
+//! out as `uncertain`.
 
 mod support;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use idemgate::gateway;
 use idemgate::store::RecordState;
@@ -245,5 +250,136 @@ async fn a_goaway_with_an_error_code_leaves_the_stream_uncertain() {
         );
     }
     assert_eq!(upstream.requests(), 2);
+    gw.shutdown().await;
+}
+
+/// An upstream that announces `SETTINGS_MAX_CONCURRENT_STREAMS = 100` and
+/// holds every request until `release_at` requests have arrived (over all
+/// its connections), then answers them all.
+struct HoldingUpstream {
+    addr: SocketAddr,
+    requests: Arc<AtomicUsize>,
+    connections: Arc<AtomicUsize>,
+}
+
+impl HoldingUpstream {
+    async fn start(release_at: usize) -> HoldingUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = HoldingUpstream {
+            addr: listener.local_addr().unwrap(),
+            requests: Arc::new(AtomicUsize::new(0)),
+            connections: Arc::new(AtomicUsize::new(0)),
+        };
+        let (requests, connections) = (upstream.requests.clone(), upstream.connections.clone());
+        let (release, released) = tokio::sync::watch::channel(false);
+        let release = Arc::new(release);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                connections.fetch_add(1, Ordering::SeqCst);
+                let (requests, release, released) =
+                    (requests.clone(), release.clone(), released.clone());
+                tokio::spawn(hold(stream, requests, release_at, release, released));
+            }
+        });
+        upstream
+    }
+}
+
+enum Seen {
+    Settings,
+    Request(u32),
+}
+
+async fn hold(
+    stream: TcpStream,
+    requests: Arc<AtomicUsize>,
+    release_at: usize,
+    release: Arc<tokio::sync::watch::Sender<bool>>,
+    mut released: tokio::sync::watch::Receiver<bool>,
+) {
+    let (mut reader, mut writer) = stream.into_split();
+    let mut preface = [0u8; 24];
+    if reader.read_exact(&mut preface).await.is_err() {
+        return;
+    }
+    let max_streams = [0x00, 0x03, 0, 0, 0, 100];
+    let _ = writer.write_all(&frame(SETTINGS, 0, 0, &max_streams)).await;
+    let (seen, mut frames) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let mut head = [0u8; 9];
+            if reader.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let id = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+            let mut payload = vec![0u8; len];
+            if reader.read_exact(&mut payload).await.is_err() {
+                return;
+            }
+            let event = match head[3] {
+                SETTINGS if head[4] & ACK == 0 => Seen::Settings,
+                HEADERS => Seen::Request(id),
+                _ => continue,
+            };
+            if seen.send(event).is_err() {
+                return;
+            }
+        }
+    });
+    let mut held = Vec::new();
+    loop {
+        tokio::select! {
+            event = frames.recv() => match event {
+                None => return,
+                Some(Seen::Settings) => {
+                    let _ = writer.write_all(&frame(SETTINGS, ACK, 0, &[])).await;
+                }
+                Some(Seen::Request(id)) => {
+                    held.push(id);
+                    if requests.fetch_add(1, Ordering::SeqCst) + 1 >= release_at {
+                        let _ = release.send(true);
+                    }
+                }
+            },
+            Ok(()) = released.changed() => {}
+        }
+        if *released.borrow() {
+            for id in held.drain(..) {
+                let answer = frame(HEADERS, END_STREAM_AND_HEADERS, id, &[0x88]);
+                let _ = writer.write_all(&answer).await;
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn past_100_concurrent_streams_a_second_connection_carries_the_rest() {
+    const CONCURRENT: usize = 150;
+    let upstream = HoldingUpstream::start(CONCURRENT).await;
+    let mut config = config(upstream.addr, KEYED);
+    config.server.worker_threads = 1;
+    config.upstreams[0].http2 = true;
+    config.upstreams[0].timeout = "5s".into();
+    let gw = gateway::start(config).await.unwrap();
+    let http = Http::default();
+    let url = format!("http://{}/actions/x", gw.public_addr);
+    let answers = futures_util::future::join_all((0..CONCURRENT).map(|i| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let key = format!("c-{i}");
+            http.send("POST", &url, &[("idempotency-key", key.as_str())], "{}")
+                .await
+        }
+    }));
+    let answers = tokio::time::timeout(Duration::from_secs(15), answers)
+        .await
+        .expect("every request answered");
+    let statuses: Vec<u16> = answers.iter().map(|a| a.status.as_u16()).collect();
+    // With one connection, the upstream would see 100 streams and never
+    // release them: every request would end as a 504 `uncertain`.
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert_eq!(upstream.requests.load(Ordering::SeqCst), CONCURRENT);
+    assert!(upstream.connections.load(Ordering::SeqCst) >= 2);
     gw.shutdown().await;
 }

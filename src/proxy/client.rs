@@ -102,8 +102,7 @@ pub(super) async fn send(
                 layer = "proxy",
                 "pooled connection was closed; sending on a new one"
             );
-            checked.sender = pool.connect().await?;
-            checked.reused = false;
+            checked = pool.connect().await?;
             try_send(&mut checked.sender, *outgoing).await
         }
         other => other,
@@ -136,7 +135,7 @@ pub(super) async fn send(
     };
     Ok(Response::from_parts(
         parts,
-        Body::new(PooledBody::new(incoming, home)),
+        Body::new(PooledBody::new(incoming, home, checked.stream)),
     ))
 }
 

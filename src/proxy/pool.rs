@@ -9,9 +9,11 @@
 //!
 //! HTTP/1.1 connections carry one exchange at a time and go back to the
 //! pool when their answer's body has been read to the end (see
-//! [`PooledBody`]). An HTTP/2 upstream gets one multiplexed connection per
-//! worker, shared by every request of that worker.
+//! [`PooledBody`]). An HTTP/2 upstream gets multiplexed connections shared
+//! by every request of the worker: one, and another whenever every open one
+//! carries [`H2_STREAMS_PER_CONNECTION`] streams.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -28,6 +30,46 @@ pub(super) const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// Idle connections kept per upstream per worker; more are closed.
 pub(super) const POOL_MAX_IDLE: usize = 1024;
 
+/// Streams the gateway opens on one HTTP/2 upstream connection before it
+/// opens another. hyper does not expose the limit the upstream announced
+/// (`SETTINGS_MAX_CONCURRENT_STREAMS`); a request past it would wait
+/// unsent inside hyper and, if the upstream timeout ends the wait, look
+/// like one the upstream may have received (`uncertain`). RFC 9113 §6.5.2
+/// recommends allowing at least 100, which is also h2's assumption before
+/// the upstream's settings arrive; staying at 100 keeps every request on a
+/// stream it can open at once, unless the upstream announces fewer.
+pub(super) const H2_STREAMS_PER_CONNECTION: usize = 100;
+
+/// A shared HTTP/2 connection and how many streams it carries.
+struct SharedH2 {
+    sender: http2::SendRequest<Body>,
+    streams: Arc<AtomicUsize>,
+}
+
+impl SharedH2 {
+    fn new(sender: http2::SendRequest<Body>) -> SharedH2 {
+        SharedH2 {
+            sender,
+            streams: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn slot(&self) -> StreamSlot {
+        self.streams.fetch_add(1, Ordering::AcqRel);
+        StreamSlot(self.streams.clone())
+    }
+}
+
+/// One stream counted against its HTTP/2 connection, until dropped (with
+/// the answer's body, or with the request that failed).
+pub(super) struct StreamSlot(Arc<AtomicUsize>);
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 struct Idle {
     sender: http1::SendRequest<Body>,
     since: Instant,
@@ -38,6 +80,8 @@ pub(super) struct Checked {
     pub(super) sender: Sender,
     /// Whether it carried an earlier request (a fresh one cannot be stale).
     pub(super) reused: bool,
+    /// The stream it counts against its HTTP/2 connection.
+    pub(super) stream: Option<StreamSlot>,
 }
 
 /// How requests name the upstream: computed once, cloned (a reference
@@ -55,7 +99,7 @@ pub struct Pool {
     target: Target,
     connector: Connector,
     idle: Mutex<Vec<Idle>>,
-    shared_h2: Mutex<Option<http2::SendRequest<Body>>>,
+    shared_h2: Mutex<Vec<SharedH2>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -113,7 +157,7 @@ impl Pool {
             target,
             connector: Connector::new(authority, options.tls, options.http2, timeout),
             idle: Mutex::new(Vec::new()),
-            shared_h2: Mutex::new(None),
+            shared_h2: Mutex::new(Vec::new()),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(reap(Arc::downgrade(&pool)));
@@ -133,38 +177,50 @@ impl Pool {
 
     /// A sender ready for a request: a pooled idle one, or a new connection.
     pub(super) async fn checkout(&self) -> Result<Checked, ConnectError> {
-        if let Some(sender) = self.checkout_idle() {
+        if let Some((sender, stream)) = self.checkout_idle() {
             return Ok(Checked {
                 sender,
                 reused: true,
+                stream,
             });
         }
-        self.connect().await.map(|sender| Checked {
-            sender,
-            reused: false,
-        })
+        self.connect().await
     }
 
-    /// A sender on a new connection (an HTTP/2 one becomes the shared one).
-    pub(super) async fn connect(&self) -> Result<Sender, ConnectError> {
+    /// A sender on a new connection (an HTTP/2 one is shared from now on).
+    pub(super) async fn connect(&self) -> Result<Checked, ConnectError> {
         // Opening a connection is large and rare: boxed so it does not
         // inflate every request's future.
         let sender = Box::pin(self.connector.open()).await?;
-        if let Sender::Http2(h2) = &sender {
-            *lock(&self.shared_h2) = Some(h2.clone());
-        }
-        Ok(sender)
+        let stream = match &sender {
+            Sender::Http2(h2) => {
+                let shared = SharedH2::new(h2.clone());
+                let slot = shared.slot();
+                lock(&self.shared_h2).push(shared);
+                Some(slot)
+            }
+            Sender::Http1(_) => None,
+        };
+        Ok(Checked {
+            sender,
+            reused: false,
+            stream,
+        })
     }
 
     /// The most recently used open, idle connection, if any. Last in, first
     /// out: the warmest connection is the least likely to be closing.
-    fn checkout_idle(&self) -> Option<Sender> {
+    fn checkout_idle(&self) -> Option<(Sender, Option<StreamSlot>)> {
         if self.connector.is_http2() {
-            let shared = lock(&self.shared_h2);
-            return match &*shared {
-                Some(h2) if !h2.is_closed() && h2.is_ready() => Some(Sender::Http2(h2.clone())),
-                _ => None,
-            };
+            let mut shared = lock(&self.shared_h2);
+            shared.retain(|h2| !h2.sender.is_closed());
+            return shared
+                .iter()
+                .find(|h2| {
+                    h2.sender.is_ready()
+                        && h2.streams.load(Ordering::Acquire) < H2_STREAMS_PER_CONNECTION
+                })
+                .map(|h2| (Sender::Http2(h2.sender.clone()), Some(h2.slot())));
         }
         let mut idle = lock(&self.idle);
         // Open but not yet idle (its dispatcher has not run since the
@@ -180,7 +236,7 @@ impl Pool {
                 continue;
             }
             if entry.sender.is_ready() {
-                break Some(Sender::Http1(entry.sender));
+                break Some((Sender::Http1(entry.sender), None));
             }
             settling.push(entry);
         };
@@ -206,6 +262,15 @@ impl Pool {
         let now = Instant::now();
         lock(&self.idle).retain(|idle| {
             now.duration_since(idle.since) < POOL_IDLE_TIMEOUT && !idle.sender.is_closed()
+        });
+        // HTTP/2: the first open connection stays; one opened for a burst
+        // is let go once it carries no stream (checkout counts a stream
+        // under the same lock, so none is handed out meanwhile).
+        let mut first = true;
+        lock(&self.shared_h2).retain(|h2| {
+            let keep = !h2.sender.is_closed() && (first || h2.streams.load(Ordering::Acquire) > 0);
+            first &= !keep;
+            keep
         });
     }
 
@@ -241,14 +306,21 @@ async fn reap(pool: Weak<Pool>) {
 pub(super) struct PooledBody {
     inner: hyper::body::Incoming,
     home: Option<(http1::SendRequest<Body>, Arc<Pool>)>,
+    /// An HTTP/2 answer's stream, counted until the body is dropped.
+    _stream: Option<StreamSlot>,
 }
 
 impl PooledBody {
     pub(super) fn new(
         inner: hyper::body::Incoming,
         home: Option<(http1::SendRequest<Body>, Arc<Pool>)>,
+        stream: Option<StreamSlot>,
     ) -> PooledBody {
-        let mut body = PooledBody { inner, home };
+        let mut body = PooledBody {
+            inner,
+            home,
+            _stream: stream,
+        };
         if http_body::Body::is_end_stream(&body.inner) {
             body.go_home();
         }
@@ -306,7 +378,7 @@ mod tests {
     async fn a_connection_closed_while_idle_is_not_handed_out() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let pool = Pool::new(listener.local_addr().unwrap().to_string());
-        let Sender::Http1(sender) = pool.connect().await.unwrap() else {
+        let Sender::Http1(sender) = pool.connect().await.unwrap().sender else {
             panic!("an HTTP/1.1 pool");
         };
         let (mut server_side, _) = listener.accept().await.unwrap();
@@ -326,11 +398,56 @@ mod tests {
         for _ in 0..100 {
             match pool.checkout_idle() {
                 None => break,
-                Some(Sender::Http1(sender)) => pool.checkin(sender),
-                Some(Sender::Http2(_)) => panic!("an HTTP/1.1 pool"),
+                Some((Sender::Http1(sender), _)) => pool.checkin(sender),
+                Some((Sender::Http2(_), _)) => panic!("an HTTP/1.1 pool"),
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(pool.idle_count(), 0, "the closed connection is dropped");
+    }
+
+    #[tokio::test]
+    async fn a_full_h2_connection_gets_a_sibling_that_is_let_go_when_idle() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    // Only the handshake: no request is sent in this test.
+                    if let Ok(mut connection) = h2::server::handshake(tcp).await {
+                        while connection.accept().await.is_some() {}
+                    }
+                });
+            }
+        });
+        let options = PoolOptions {
+            http2: true,
+            ..PoolOptions::default()
+        };
+        let pool = Pool::with_options(addr.to_string(), options);
+        let mut slots = Vec::new();
+        for _ in 0..=H2_STREAMS_PER_CONNECTION {
+            slots.push(pool.checkout().await.unwrap().stream.unwrap());
+        }
+        assert_eq!(
+            lock(&pool.shared_h2).len(),
+            2,
+            "the 101st stream opened a second"
+        );
+        // Both carry streams: the reaper keeps both.
+        pool.close_expired();
+        assert_eq!(lock(&pool.shared_h2).len(), 2);
+        let first = lock(&pool.shared_h2)[0].streams.clone();
+        assert_eq!(first.load(Ordering::Acquire), H2_STREAMS_PER_CONNECTION);
+        slots.clear();
+        assert_eq!(
+            first.load(Ordering::Acquire),
+            0,
+            "dropped slots are uncounted"
+        );
+        pool.close_expired();
+        assert_eq!(lock(&pool.shared_h2).len(), 1, "the idle sibling is let go");
+        let again = pool.checkout().await.unwrap();
+        assert!(again.reused, "the first connection is still shared");
     }
 }
