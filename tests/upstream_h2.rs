@@ -30,6 +30,9 @@ enum Action {
     Refuse,
     /// `GOAWAY(NO_ERROR)` with last stream id 0, then close.
     GoAwayBelow,
+    /// `GOAWAY(NO_ERROR)` naming this stream as processed, then close
+    /// before answering it.
+    GoAwayAt,
     /// `GOAWAY(INTERNAL_ERROR)`, naming this stream as processed (`true`)
     /// or not (`false`: last stream id 0), then close.
     GoAwayFailed(bool),
@@ -129,8 +132,13 @@ async fn serve(
                     .write_all(&frame(RST_STREAM, 0, id, &refused_stream))
                     .await;
             }
-            Action::GoAwayBelow => {
-                let _ = stream.write_all(&go_away(0, 0x0)).await;
+            Action::GoAwayBelow | Action::GoAwayAt => {
+                let last = if matches!(action, Action::GoAwayAt) {
+                    id
+                } else {
+                    0
+                };
+                let _ = stream.write_all(&go_away(last, 0x0)).await;
                 let _ = stream.shutdown().await;
                 return;
             }
@@ -225,6 +233,20 @@ async fn a_stream_above_a_graceful_goaway_releases_the_claim() {
 }
 
 #[tokio::test]
+async fn a_stream_at_or_below_a_graceful_goaway_cut_by_the_close_stays_uncertain() {
+    // The upstream says it may have processed the stream, then closes
+    // without an answer: it may have acted.
+    let upstream = H2Upstream::start(&[Action::GoAwayAt]).await;
+    let gw = gateway_for(&upstream).await;
+    let http = Http::default();
+    let cut = post(&http, &gw, "a-1").await;
+    assert_eq!(cut.status, 502, "{cut:?}");
+    assert_eq!(cut.problem_type(), "urn:idemgate:problem:upstream-broken");
+    assert_eq!(states(&gw, "a-1").await, vec![RecordState::Uncertain]);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_goaway_with_an_error_code_leaves_the_stream_uncertain() {
     // Named as processed, then the connection failed: it may have acted.
     // Not named: RFC 9113 would allow a retry, but an upstream failing with
@@ -253,9 +275,10 @@ async fn a_goaway_with_an_error_code_leaves_the_stream_uncertain() {
     gw.shutdown().await;
 }
 
-/// An upstream that announces `SETTINGS_MAX_CONCURRENT_STREAMS = 100` and
-/// holds every request until `release_at` requests have arrived (over all
-/// its connections), then answers them all.
+/// An upstream that announces `SETTINGS_MAX_CONCURRENT_STREAMS = 100`,
+/// answers its first request at once (a warm-up), and holds every later
+/// one until `release_at` of them have arrived (over all its connections),
+/// then answers them all.
 struct HoldingUpstream {
     addr: SocketAddr,
     requests: Arc<AtomicUsize>,
@@ -336,8 +359,14 @@ async fn hold(
                     let _ = writer.write_all(&frame(SETTINGS, ACK, 0, &[])).await;
                 }
                 Some(Seen::Request(id)) => {
+                    let n = requests.fetch_add(1, Ordering::SeqCst);
+                    if n == 0 {
+                        let answer = frame(HEADERS, END_STREAM_AND_HEADERS, id, &[0x88]);
+                        let _ = writer.write_all(&answer).await;
+                        continue;
+                    }
                     held.push(id);
-                    if requests.fetch_add(1, Ordering::SeqCst) + 1 >= release_at {
+                    if n >= release_at {
                         let _ = release.send(true);
                     }
                 }
@@ -364,6 +393,14 @@ async fn past_100_concurrent_streams_a_second_connection_carries_the_rest() {
     let gw = gateway::start(config).await.unwrap();
     let http = Http::default();
     let url = format!("http://{}/actions/x", gw.public_addr);
+    // The warm-up opens the shared connection, so the burst finds one
+    // connection with room for 100 streams (not a cold pool, where every
+    // request opens its own).
+    let warm = http
+        .send("POST", &url, &[("idempotency-key", "warm")], "{}")
+        .await;
+    assert_eq!(warm.status, 200, "{warm:?}");
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
     let answers = futures_util::future::join_all((0..CONCURRENT).map(|i| {
         let (http, url) = (http.clone(), url.clone());
         async move {
@@ -379,7 +416,7 @@ async fn past_100_concurrent_streams_a_second_connection_carries_the_rest() {
     // With one connection, the upstream would see 100 streams and never
     // release them: every request would end as a 504 `uncertain`.
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
-    assert_eq!(upstream.requests.load(Ordering::SeqCst), CONCURRENT);
+    assert_eq!(upstream.requests.load(Ordering::SeqCst), CONCURRENT + 1);
     assert!(upstream.connections.load(Ordering::SeqCst) >= 2);
     gw.shutdown().await;
 }

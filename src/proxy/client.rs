@@ -119,7 +119,7 @@ pub(super) async fn send(
                 match fault.map_or(FAULT_NONE, |f| f.load(Ordering::Acquire)) {
                     FAULT_TOO_LARGE => SendError::BodyTooLarge,
                     FAULT_CLIENT => SendError::RequestBody(e.to_string()),
-                    _ => classify(&e, checked.reused),
+                    _ => classify(&e, checked.reused, pool.exact_goaway()),
                 },
             );
         }
@@ -148,15 +148,19 @@ pub(super) async fn send(
 /// - HTTP/2 `REFUSED_STREAM` on the stream: the upstream says it did not
 ///   process it (RFC 9113 §8.7).
 /// - HTTP/2 graceful `GOAWAY` (`NO_ERROR`) naming a last stream below this
-///   one (§6.8: such streams were not processed and may be retried). h2
-///   gives a remote GOAWAY error only to the streams above the last id;
-///   the streams at or below it go on, and if the connection then dies they
+///   one (§6.8: such streams were not processed and may be retried), or
+///   refused on a connection that had already received one. h2 gives a
+///   remote GOAWAY error to no other stream: the streams at or below the
+///   last id go on, and if the connection then dies they
 ///   get a broken-pipe error instead. A `GOAWAY` with an error code stays
 ///   uncertain even above the last id: an upstream failing with an error
 ///   is not trusted to know what it processed, and the retry of an
 ///   uncertain record still carries the same `Idempotency-Key`.
+///   Only on a single-threaded runtime ([`Pool::exact_goaway`]): on a
+///   multi-threaded one (the MQ consumers') a request whose stream was
+///   opened can get the same error.
 /// - Anything else: the request may have been processed.
-fn classify(e: &hyper::Error, reused: bool) -> SendError {
+fn classify(e: &hyper::Error, reused: bool, exact_goaway: bool) -> SendError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
     while let Some(cause) = source {
         if !reused && crate::tls::is_rustls_error(cause) {
@@ -167,7 +171,7 @@ fn classify(e: &hyper::Error, reused: bool) -> SendError {
         {
             let refused = h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM);
             let above_graceful_goaway =
-                h2.is_go_away() && h2.reason() == Some(h2::Reason::NO_ERROR);
+                exact_goaway && h2.is_go_away() && h2.reason() == Some(h2::Reason::NO_ERROR);
             if refused || above_graceful_goaway {
                 return SendError::Connect(format!(
                     "the upstream did not process the stream: {h2}"

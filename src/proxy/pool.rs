@@ -44,6 +44,8 @@ pub(super) const H2_STREAMS_PER_CONNECTION: usize = 100;
 struct SharedH2 {
     sender: http2::SendRequest<Body>,
     streams: Arc<AtomicUsize>,
+    /// Reaper ticks in a row it carried no stream (under the pool's lock).
+    quiet_ticks: u32,
 }
 
 impl SharedH2 {
@@ -51,6 +53,7 @@ impl SharedH2 {
         SharedH2 {
             sender,
             streams: Arc::new(AtomicUsize::new(0)),
+            quiet_ticks: 0,
         }
     }
 
@@ -100,6 +103,9 @@ pub struct Pool {
     connector: Connector,
     idle: Mutex<Vec<Idle>>,
     shared_h2: Mutex<Vec<SharedH2>>,
+    /// Whether this pool's connection tasks share one thread with its
+    /// requests (the gateway's workers), see [`Pool::exact_goaway`].
+    single_threaded: bool,
 }
 
 impl std::fmt::Debug for Pool {
@@ -158,6 +164,8 @@ impl Pool {
             connector: Connector::new(authority, options.tls, options.http2, timeout),
             idle: Mutex::new(Vec::new()),
             shared_h2: Mutex::new(Vec::new()),
+            single_threaded: tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(reap(Arc::downgrade(&pool)));
@@ -171,6 +179,16 @@ impl Pool {
     }
 
     /// How requests name the upstream.
+    /// Whether a graceful HTTP/2 `GOAWAY` error on a request means the
+    /// upstream never got it. hyper hands a request to h2, then asks h2
+    /// again whether the connection is usable; if the connection's task has
+    /// meanwhile read a `GOAWAY` on another thread, the request gets that
+    /// error although its stream was opened below the last stream id. On
+    /// a single thread the two steps cannot be interleaved.
+    pub(super) fn exact_goaway(&self) -> bool {
+        self.single_threaded
+    }
+
     pub(super) fn target(&self) -> &Target {
         &self.target
     }
@@ -264,11 +282,18 @@ impl Pool {
             now.duration_since(idle.since) < POOL_IDLE_TIMEOUT && !idle.sender.is_closed()
         });
         // HTTP/2: the first open connection stays; one opened for a burst
-        // is let go once it carries no stream (checkout counts a stream
-        // under the same lock, so none is handed out meanwhile).
+        // is let go once it has carried no stream for two ticks in a row
+        // (about POOL_IDLE_TIMEOUT), so load hovering around the stream
+        // limit does not open and close connections. Checkout counts a
+        // stream under the same lock, so none is handed out meanwhile.
         let mut first = true;
-        lock(&self.shared_h2).retain(|h2| {
-            let keep = !h2.sender.is_closed() && (first || h2.streams.load(Ordering::Acquire) > 0);
+        lock(&self.shared_h2).retain_mut(|h2| {
+            if h2.streams.load(Ordering::Acquire) == 0 {
+                h2.quiet_ticks += 1;
+            } else {
+                h2.quiet_ticks = 0;
+            }
+            let keep = !h2.sender.is_closed() && (first || h2.quiet_ticks < 2);
             first &= !keep;
             keep
         });
@@ -444,6 +469,12 @@ mod tests {
             first.load(Ordering::Acquire),
             0,
             "dropped slots are uncounted"
+        );
+        pool.close_expired();
+        assert_eq!(
+            lock(&pool.shared_h2).len(),
+            2,
+            "one quiet tick is not idle yet"
         );
         pool.close_expired();
         assert_eq!(lock(&pool.shared_h2).len(), 1, "the idle sibling is let go");
