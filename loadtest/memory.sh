@@ -13,7 +13,8 @@
 # connections stay open while only a few requests are in flight, which is
 # "1,000 clients" rather than "1,000 requests in flight at once".
 # PLAIN=1 measures the same without TLS (HTTP/1.1 and h2c), to tell what
-# TLS costs per connection.
+# TLS costs per connection. H1=N and H2=N change the 500 + 500 split, to
+# tell what each protocol costs per connection.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-8}
@@ -79,15 +80,17 @@ kib() { awk -v k="$2" '$1 == k":" {print $2}' "/proc/$1/status"; }
 IDLE=$(kib $GW VmRSS)
 LIMIT=()
 [ -n "${RATE:-}" ] && LIMIT=(-q $((RATE / 2)))
-oha -z "${SECS}s" -c 500 "${LIMIT[@]}" --no-tui --insecure $SCHEME://127.0.0.1:18580/pass/x >/dev/null 2>&1 & O1=$!
-oha -z "${SECS}s" -c 500 --http2 -p 1 "${LIMIT[@]}" --no-tui --insecure $SCHEME://127.0.0.1:18580/pass/x >/dev/null 2>&1 & O2=$!
+H1=${H1:-500}; H2=${H2:-500}
+O1=; O2=
+(( H1 > 0 )) && { oha -z "${SECS}s" -c "$H1" "${LIMIT[@]}" --no-tui --insecure $SCHEME://127.0.0.1:18580/pass/x >/dev/null 2>&1 & O1=$!; }
+(( H2 > 0 )) && { oha -z "${SECS}s" -c "$H2" --http2 -p 1 "${LIMIT[@]}" --no-tui --insecure $SCHEME://127.0.0.1:18580/pass/x >/dev/null 2>&1 & O2=$!; }
 sleep $((SECS - 2))
 LOADED=$(kib $GW VmRSS)
 CONNS=$(ss -Htn state established '( sport = :18580 )' | wc -l)
 UPSTREAM=$(ss -Htn state established '( dport = :18581 )' | wc -l)
 ANON=$(kib $GW RssAnon)
 FILE=$(kib $GW RssFile)
-wait $O1 $O2 || true
+wait $O1 $O2 || true  # (unquoted: one may be empty)
 PEAK=$(kib $GW VmHWM)
 echo "client connections $CONNS, upstream connections $UPSTREAM"
 echo "RSS idle $((IDLE / 1024)) MiB, loaded $((LOADED / 1024)) MiB (anonymous $((ANON / 1024)), file $((FILE / 1024))), peak $((PEAK / 1024)) MiB"

@@ -194,11 +194,22 @@ done
 echo "== memory with 1000 connections (500 HTTP/1.1 and 500 h2, over TLS) on a fresh gateway"
 for _ in $(seq 1 100); do curl -sk -o /dev/null "https://127.0.0.1:18480/pass/x" && break; sleep 0.1; done
 TLS_RSS_IDLE=$(rss_kib $GW_TLS)
+# First 1,000 connections carrying 2,000 requests/s (open, few requests in
+# flight at once), then the same connections flat out (about 1,000
+# requests in flight, each holding an upstream connection).
+oha -z 6s -c 500 -q 1000 --no-tui --insecure https://127.0.0.1:18480/pass/x >/dev/null 2>&1 &
+OHA1=$!
+oha -z 6s -c 500 -q 1000 --http2 -p 1 --no-tui --insecure https://127.0.0.1:18480/pass/x >/dev/null 2>&1 &
+OHA2=$!
+sleep 4; TLS_RSS_RATED=$(rss_kib $GW_TLS)
+wait $OHA1 $OHA2 || true
+TLS_HWM_RATED=$(hwm_kib $GW_TLS)
 oha -z 6s -c 500 --no-tui --insecure https://127.0.0.1:18480/pass/x >/dev/null 2>&1 &
 OHA1=$!
 oha -z 6s -c 500 --http2 -p 1 --no-tui --insecure https://127.0.0.1:18480/pass/x >/dev/null 2>&1 &
 OHA2=$!
 sleep 4; TLS_RSS_LOADED=$(rss_kib $GW_TLS); TLS_CONNS=$(ss -Htn state established '( sport = :18480 )' | wc -l)
+TLS_UPSTREAM=$(ss -Htn state established '( dport = :18081 )' | wc -l)
 wait $OHA1 $OHA2 || true
 TLS_HWM=$(hwm_kib $GW_TLS)
 
@@ -290,9 +301,10 @@ RSS_AFTER=$(rss_kib $GW_PG); HWM=$(hwm_kib $GW_PG)
 # --- the table ---------------------------------------------------------------
 mkdir -p loadtest/results
 python3 - "$RES" "$EXEC_PG" "$EXEC_SQLITE" "$RSS_BEFORE" "$RSS_AFTER" "$HWM" "$SECS" "$ROUNDS" "$CONC" \
-  "$TLS_RSS_IDLE" "$TLS_RSS_LOADED" "$TLS_HWM" "$TLS_CONNS" > loadtest/results/latest.md <<'PY'
+  "$TLS_RSS_IDLE" "$TLS_RSS_LOADED" "$TLS_HWM" "$TLS_CONNS" "$TLS_RSS_RATED" "$TLS_HWM_RATED" "$TLS_UPSTREAM" \
+  > loadtest/results/latest.md <<'PY'
 import json, sys, statistics, platform, datetime
-res, exec_pg, exec_sqlite, rss0, rss1, hwm, secs, rounds, conc, trss0, trss1, thwm, tconns = sys.argv[1:]
+res, exec_pg, exec_sqlite, rss0, rss1, hwm, secs, rounds, conc, trss0, trss1, thwm, tconns, trated, thwmrated, tup = sys.argv[1:]
 rows = [json.loads(l) for l in open(res)]
 def agg(scenario, target):
     rs = [r for r in rows if r['scenario'] == scenario and r['target'] == target]
@@ -328,7 +340,7 @@ for t, e in (("idemgate-redis-pg", exec_pg), ("idemgate-sqlite", exec_sqlite)):
         alone = f"{single[-1]['p99_ms']:.1f}" if single and mode == "wait" else ""
         p(f"| {t} | {mode} | {count} | {rs[-1]['statuses']} | {rs[-1]['p99_ms']:.1f} | {alone} |")
 p(f"\n## Memory (Redis + Postgres gateway)\n\nRSS before the storm {int(rss0)//1024} MiB, after {int(rss1)//1024} MiB, peak over the whole run {int(hwm)//1024} MiB.\n")
-p(f"## Memory with 1000 connections (TLS gateway, 500 HTTP/1.1 + 500 h2)\n\n{tconns} connections established; RSS idle {int(trss0)//1024} MiB, loaded {int(trss1)//1024} MiB, peak {int(thwm)//1024} MiB.\n")
+p(f"## Memory with 1000 connections (TLS gateway, 500 HTTP/1.1 + 500 h2)\n\n{tconns} connections established; RSS idle {int(trss0)//1024} MiB; at 2,000 requests/s loaded {int(trated)//1024} MiB, peak {int(thwmrated)//1024} MiB; flat out (about 1,000 requests in flight, {tup} upstream connections) loaded {int(trss1)//1024} MiB, peak {int(thwm)//1024} MiB.\n")
 print("\n".join(out))
 PY
 cat loadtest/results/latest.md

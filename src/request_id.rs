@@ -15,7 +15,11 @@ pub const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-requ
 /// The request's id: the client's, or a new UUID v7 set on `headers`.
 pub fn ensure(headers: &mut HeaderMap) -> HeaderValue {
     if let Some(id) = headers.get(X_REQUEST_ID) {
-        return id.clone();
+        // A copy, not a clone: the client's value is a slice of its
+        // connection's read buffer, and the answer carrying it back may
+        // go into an HTTP/2 connection's HPACK table, which would keep
+        // that whole buffer alive (`proxy::headers::detach_values`).
+        return HeaderValue::from_bytes(id.as_bytes()).unwrap_or_else(|_| id.clone());
     }
     let id = new_id();
     headers.insert(X_REQUEST_ID, id.clone());
@@ -63,6 +67,23 @@ fn next(state: &Cell<u64>) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clients_id_is_echoed_as_a_copy_of_its_own() {
+        let buffer = bytes::Bytes::from(vec![b'a'; 8192]);
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            X_REQUEST_ID,
+            HeaderValue::from_maybe_shared(buffer.slice(..36)).unwrap(),
+        );
+        let echoed = ensure(&mut headers);
+        assert_eq!(echoed.as_bytes(), &buffer[..36]);
+        drop(headers);
+        assert!(
+            buffer.is_unique(),
+            "the echo keeps nothing of the client's buffer"
+        );
+    }
 
     #[test]
     fn a_client_id_is_kept_and_a_missing_one_is_made() {

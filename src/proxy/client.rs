@@ -119,7 +119,7 @@ pub(super) async fn send(
                 match fault.map_or(FAULT_NONE, |f| f.load(Ordering::Acquire)) {
                     FAULT_TOO_LARGE => SendError::BodyTooLarge,
                     FAULT_CLIENT => SendError::RequestBody(e.to_string()),
-                    _ => classify(&e, checked.reused, pool.exact_goaway()),
+                    _ => classify(&e, checked.first, pool.exact_goaway()),
                 },
             );
         }
@@ -129,6 +129,7 @@ pub(super) async fn send(
     // connection whose peer frames ambiguously is not trusted again.
     let ambiguous =
         headers::strip_response_headers(&mut parts.headers).map_err(SendError::Broken)?;
+    headers::detach_values(&mut parts.headers);
     let home = match checked.sender {
         Sender::Http1(sender) if !ambiguous => Some((sender, pool.clone())),
         _ => None,
@@ -141,10 +142,12 @@ pub(super) async fn send(
 
 /// What a hyper error after the request was handed over means.
 ///
-/// - TLS refused on a fresh connection: over TLS 1.3 the client's
-///   handshake ends before the server has checked the client certificate,
-///   so a refused certificate arrives as an alert on the first read. The
-///   server never accepted the connection, so nothing was processed.
+/// - TLS refused for the first request on a fresh connection: over TLS
+///   1.3 the client's handshake ends before the server has checked the
+///   client certificate, so a refused certificate arrives as an alert on
+///   the first read. The server never accepted the connection, so nothing
+///   was processed. Only the first: requests that joined a new HTTP/2
+///   connection may have been processed before an alert.
 /// - HTTP/2 `REFUSED_STREAM` on the stream: the upstream says it did not
 ///   process it (RFC 9113 §8.7).
 /// - HTTP/2 graceful `GOAWAY` (`NO_ERROR`) naming a last stream below this
@@ -160,10 +163,10 @@ pub(super) async fn send(
 ///   multi-threaded one (the MQ consumers') a request whose stream was
 ///   opened can get the same error.
 /// - Anything else: the request may have been processed.
-fn classify(e: &hyper::Error, reused: bool, exact_goaway: bool) -> SendError {
+fn classify(e: &hyper::Error, first: bool, exact_goaway: bool) -> SendError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
     while let Some(cause) = source {
-        if !reused && crate::tls::is_rustls_error(cause) {
+        if first && crate::tls::is_rustls_error(cause) {
             return SendError::Tls(e.to_string());
         }
         if let Some(h2) = cause.downcast_ref::<h2::Error>()
@@ -238,6 +241,9 @@ fn upstream_request(
     if !http1 {
         parts.scheme = Some(target.scheme.clone());
         parts.authority = Some(target.authority.clone());
+        // The shared connection's HPACK table would keep the client's
+        // buffers alive (see `detach_values`).
+        headers::detach_values(&mut headers);
     }
     let uri = Uri::from_parts(parts).unwrap_or_else(|_| Uri::from_static("/"));
     match exact {
@@ -345,5 +351,76 @@ impl http_body::Body for Counted {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// hyper parses an answer's header values as slices of the
+    /// connection's read buffer; the gateway copies them out (see
+    /// `headers::detach_values`): here they sit back to back in one
+    /// allocation, where slices of the read buffer would have the header
+    /// names and `: ` between them.
+    #[tokio::test]
+    async fn an_answers_header_values_are_copied_out_of_the_read_buffer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let pool = Pool::new(listener.local_addr().unwrap().to_string());
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut head = [0u8; 1024];
+            let _ = tcp.read(&mut head).await.unwrap();
+            tcp.write_all(
+                b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 21:00:00 GMT\r\n\
+                  x-one: first\r\nx-two: second\r\ncontent-length: 2\r\n\r\nok",
+            )
+            .await
+            .unwrap();
+            let _ = tcp.read(&mut head).await;
+        });
+        let (parts, _) = Request::get("/x").body(()).unwrap().into_parts();
+        let answer = send(&pool, parts, Body::empty(), 1024).await.unwrap();
+        let values: Vec<&[u8]> = answer.headers().values().map(|v| v.as_bytes()).collect();
+        assert_eq!(values.len(), 4);
+        for pair in values.windows(2) {
+            assert_eq!(
+                pair[0].as_ptr().wrapping_add(pair[0].len()),
+                pair[1].as_ptr(),
+                "values back to back in one allocation of their own"
+            );
+        }
+    }
+
+    /// Trailers go through the same copy (over HTTP/1.1 hyper has copied
+    /// them already; an HTTP/2 upstream's can be frame-buffer slices).
+    #[tokio::test]
+    async fn an_answers_trailer_values_are_copied_out_of_the_read_buffer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let pool = Pool::new(listener.local_addr().unwrap().to_string());
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut head = [0u8; 1024];
+            let _ = tcp.read(&mut head).await.unwrap();
+            tcp.write_all(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-one, x-two\r\n\r\n\
+                  2\r\nok\r\n0\r\nx-one: first\r\nx-two: second\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            let _ = tcp.read(&mut head).await;
+        });
+        let (parts, _) = Request::get("/x").body(()).unwrap().into_parts();
+        let answer = send(&pool, parts, Body::empty(), 1024).await.unwrap();
+        let collected = answer.into_body().collect().await.unwrap();
+        let trailers = collected.trailers().expect("the trailers").clone();
+        let values: Vec<&[u8]> = trailers.values().map(|v| v.as_bytes()).collect();
+        assert_eq!(values, [b"first".as_slice(), b"second".as_slice()]);
+        assert_eq!(
+            values[0].as_ptr().wrapping_add(values[0].len()),
+            values[1].as_ptr(),
+            "values back to back in one allocation of their own"
+        );
     }
 }

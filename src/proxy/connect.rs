@@ -49,6 +49,20 @@ pub(super) enum ConnectError {
     Handshake(hyper::Error),
 }
 
+impl ConnectError {
+    /// The same failure, for another request that waited on the same
+    /// connection (the sources are not `Clone`): a TLS failure stays one.
+    pub(super) fn duplicate(&self) -> ConnectError {
+        match self {
+            ConnectError::Io(e) => ConnectError::Io(io::Error::new(e.kind(), e.to_string())),
+            ConnectError::Tls(e) => ConnectError::Tls(io::Error::new(e.kind(), e.to_string())),
+            ConnectError::Handshake(e) => {
+                ConnectError::Io(io::Error::other(format!("HTTP handshake failed: {e}")))
+            }
+        }
+    }
+}
+
 /// How to reach one upstream.
 pub(super) struct Connector {
     /// `host:port`, resolved at every connect.

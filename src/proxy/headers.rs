@@ -326,6 +326,28 @@ fn joined(values: &[&[u8]]) -> HeaderValue {
     HeaderValue::from_bytes(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
+/// Copies every header value into one small allocation of the map's own.
+///
+/// hyper parses a message's header values as slices of its connection's
+/// read buffer (8 KiB, HTTP/1.1) or frame buffer (HTTP/2), so one value
+/// kept keeps that whole buffer alive. An HTTP/2 peer's HPACK encoder keeps
+/// the values it indexes for as long as its connection lives: an upstream's
+/// `Date` alone is a new entry every second, up to about sixty entries in a
+/// 4 KiB table, and each would pin a whole buffer: about half a megabyte
+/// per HTTP/2 client connection (measured in `loadtest/README.md`).
+pub(super) fn detach_values(headers: &mut HeaderMap) {
+    let total: usize = headers.values().map(HeaderValue::len).sum();
+    let mut buffer = bytes::BytesMut::with_capacity(total);
+    for value in headers.values_mut() {
+        buffer.extend_from_slice(value.as_bytes());
+        // The same bytes as a value that was valid: cannot fail.
+        if let Ok(mut own) = HeaderValue::from_maybe_shared(buffer.split().freeze()) {
+            own.set_sensitive(value.is_sensitive());
+            *value = own;
+        }
+    }
+}
+
 /// Removes what describes the upstream connection from an answer: the
 /// hop-by-hop headers and those its `Connection` names. An answer with a
 /// transfer coding other than `chunked` (hyper has removed the chunking)
@@ -397,6 +419,31 @@ pub(super) fn strip_response_headers(headers: &mut HeaderMap) -> Result<bool, St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn detached_values_keep_nothing_of_the_buffer_they_were_parsed_from() {
+        let mut read_buffer = bytes::BytesMut::zeroed(8192);
+        read_buffer[..29].copy_from_slice(b"Tue, 01 Dec 2026 21:00:00 GMT");
+        read_buffer[29..35].copy_from_slice(b"secret");
+        let read_buffer = read_buffer.freeze();
+        let mut headers = HeaderMap::new();
+        let date = HeaderValue::from_maybe_shared(read_buffer.slice(..29)).unwrap();
+        let mut secret = HeaderValue::from_maybe_shared(read_buffer.slice(29..35)).unwrap();
+        secret.set_sensitive(true);
+        headers.insert(header::DATE, date);
+        headers.append(header::AUTHORIZATION, secret);
+        headers.append(header::AUTHORIZATION, HeaderValue::from_static("second"));
+        assert!(!read_buffer.is_unique(), "the values share the buffer");
+
+        detach_values(&mut headers);
+
+        assert!(read_buffer.is_unique(), "no value keeps the buffer alive");
+        assert_eq!(headers[header::DATE], "Tue, 01 Dec 2026 21:00:00 GMT");
+        let secrets: Vec<_> = headers.get_all(header::AUTHORIZATION).iter().collect();
+        assert_eq!(secrets, ["secret", "second"]);
+        assert!(secrets[0].is_sensitive(), "sensitivity survives");
+        assert!(!secrets[1].is_sensitive());
+    }
 
     /// Header lines, sorted (the order of distinct names carries no
     /// meaning).

@@ -11,13 +11,20 @@
 //! pool when their answer's body has been read to the end (see
 //! [`PooledBody`]). An HTTP/2 upstream gets multiplexed connections shared
 //! by every request of the worker: one, and another whenever every open one
-//! carries [`H2_STREAMS_PER_CONNECTION`] streams.
+//! carries [`H2_STREAMS_PER_CONNECTION`] streams. Requests that find none
+//! with room join the one connection being opened (up to its stream count)
+//! instead of each opening its own: a burst on a cold pool opens one
+//! connection per hundred requests, not one per request. Waiting for it
+//! is bounded by the connect timeout, so a failed open still reports the
+//! request as never sent.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use futures_util::FutureExt as _;
+use futures_util::future::{BoxFuture, Shared};
 use hyper::client::conn::{http1, http2};
 use rustls::pki_types::ServerName;
 
@@ -49,18 +56,29 @@ struct SharedH2 {
 }
 
 impl SharedH2 {
-    fn new(sender: http2::SendRequest<Body>) -> SharedH2 {
-        SharedH2 {
-            sender,
-            streams: Arc::new(AtomicUsize::new(0)),
-            quiet_ticks: 0,
-        }
+    fn try_slot(&self) -> Option<StreamSlot> {
+        try_slot(&self.streams)
     }
+}
 
-    fn slot(&self) -> StreamSlot {
-        self.streams.fetch_add(1, Ordering::AcqRel);
-        StreamSlot(self.streams.clone())
-    }
+/// A stream counted on `streams`, if it carries fewer than
+/// [`H2_STREAMS_PER_CONNECTION`].
+fn try_slot(streams: &Arc<AtomicUsize>) -> Option<StreamSlot> {
+    streams
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < H2_STREAMS_PER_CONNECTION).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| StreamSlot(streams.clone()))
+}
+
+/// An HTTP/2 connection being opened. Requests that join it take one of
+/// its streams at once (`streams`, the counter the connection keeps once
+/// open), so each waits for exactly this one open, and requests that
+/// arrive after it opened cannot take the streams its waiters hold.
+struct OpeningH2 {
+    done: Shared<BoxFuture<'static, Result<http2::SendRequest<Body>, Arc<ConnectError>>>>,
+    streams: Arc<AtomicUsize>,
 }
 
 /// One stream counted against its HTTP/2 connection, until dropped (with
@@ -78,11 +96,19 @@ struct Idle {
     since: Instant,
 }
 
+/// An open connection's sender, with the stream it counts for an HTTP/2
+/// one.
+struct Found(Sender, Option<StreamSlot>);
+
 /// A sender checked out of the pool.
 pub(super) struct Checked {
     pub(super) sender: Sender,
     /// Whether it carried an earlier request (a fresh one cannot be stale).
     pub(super) reused: bool,
+    /// Whether this request is the first on its connection, right after
+    /// the handshake (a TLS alert on it is the handshake's outcome, e.g.
+    /// a client certificate the upstream refused, not a broken exchange).
+    pub(super) first: bool,
     /// The stream it counts against its HTTP/2 connection.
     pub(super) stream: Option<StreamSlot>,
 }
@@ -100,9 +126,12 @@ pub(super) struct Target {
 /// The connections to one upstream.
 pub struct Pool {
     target: Target,
-    connector: Connector,
+    connector: Arc<Connector>,
     idle: Mutex<Vec<Idle>>,
-    shared_h2: Mutex<Vec<SharedH2>>,
+    shared_h2: Arc<Mutex<Vec<SharedH2>>>,
+    /// The HTTP/2 connection being opened most recently, if one is (full
+    /// or not: a request that finds it full starts the next).
+    opening_h2: Arc<Mutex<Option<OpeningH2>>>,
     /// Whether this pool's connection tasks share one thread with its
     /// requests (the gateway's workers), see [`Pool::exact_goaway`].
     single_threaded: bool,
@@ -161,9 +190,15 @@ impl Pool {
         };
         let pool = Arc::new(Pool {
             target,
-            connector: Connector::new(authority, options.tls, options.http2, timeout),
+            connector: Arc::new(Connector::new(
+                authority,
+                options.tls,
+                options.http2,
+                timeout,
+            )),
             idle: Mutex::new(Vec::new()),
-            shared_h2: Mutex::new(Vec::new()),
+            shared_h2: Arc::default(),
+            opening_h2: Arc::default(),
             single_threaded: tokio::runtime::Handle::try_current()
                 .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread),
         });
@@ -195,50 +230,152 @@ impl Pool {
 
     /// A sender ready for a request: a pooled idle one, or a new connection.
     pub(super) async fn checkout(&self) -> Result<Checked, ConnectError> {
-        if let Some((sender, stream)) = self.checkout_idle() {
+        if let Some(Found(sender, stream)) = self.checkout_idle() {
             return Ok(Checked {
                 sender,
                 reused: true,
+                first: false,
                 stream,
             });
         }
         self.connect().await
     }
 
-    /// A sender on a new connection (an HTTP/2 one is shared from now on).
+    /// A sender on a new connection (an HTTP/2 one is shared from now on,
+    /// and requests arriving while it opens join it).
     pub(super) async fn connect(&self) -> Result<Checked, ConnectError> {
+        if self.connector.is_http2() {
+            return self.join_h2().await;
+        }
         // Opening a connection is large and rare: boxed so it does not
         // inflate every request's future.
         let sender = Box::pin(self.connector.open()).await?;
-        let stream = match &sender {
-            Sender::Http2(h2) => {
-                let shared = SharedH2::new(h2.clone());
-                let slot = shared.slot();
-                lock(&self.shared_h2).push(shared);
-                Some(slot)
-            }
-            Sender::Http1(_) => None,
-        };
         Ok(Checked {
             sender,
             reused: false,
-            stream,
+            first: true,
+            stream: None,
         })
+    }
+
+    /// A stream on the HTTP/2 connection being opened, opening one if none
+    /// is or its streams are all taken. A request waits for one open only,
+    /// which the connect timeout bounds (below the upstream timeout), so a
+    /// failed open reports it as never sent.
+    async fn join_h2(&self) -> Result<Checked, ConnectError> {
+        let (done, stream, first) = {
+            let mut opening = lock(&self.opening_h2);
+            let joined = opening
+                .as_ref()
+                .and_then(|o| Some((o.done.clone(), try_slot(&o.streams)?, false)));
+            match joined {
+                Some(joined) => joined,
+                None => {
+                    // A connection opened since this request looked may
+                    // have room (on a multi-threaded runtime the open can
+                    // finish in between).
+                    if let Some(Found(sender, stream)) = self.checkout_idle() {
+                        return Ok(Checked {
+                            sender,
+                            reused: true,
+                            first: false,
+                            stream,
+                        });
+                    }
+                    let (next, stream) = self.open_h2();
+                    let joined = (next.done.clone(), stream, true);
+                    *opening = Some(next);
+                    joined
+                }
+            }
+        };
+        match done.clone().await {
+            // Closed already: nothing was sent on it.
+            Ok(sender) if sender.is_closed() => Err(ConnectError::Io(std::io::Error::other(
+                "the new HTTP/2 connection closed at once",
+            ))),
+            Ok(sender) => Ok(Checked {
+                sender: Sender::Http2(sender),
+                reused: false,
+                first,
+                stream: Some(stream),
+            }),
+            Err(e) => {
+                // (The open's task clears the entry itself; this covers
+                // one that panicked, so that its error is not served
+                // forever.)
+                let mut opening = lock(&self.opening_h2);
+                if opening.as_ref().is_some_and(|o| o.done.ptr_eq(&done)) {
+                    *opening = None;
+                }
+                Err(e.duplicate())
+            }
+        }
+    }
+
+    /// Starts opening a shared HTTP/2 connection. It runs as a task of its
+    /// own, so it completes whether or not its waiters are still there (one
+    /// that hangs up leaves no stale open for the next request to inherit).
+    /// Once open it is listed with the streams its waiters hold, then stops
+    /// being the one opening (unless a newer open has taken that place).
+    /// The stream returned is the opener's, counted before the task can
+    /// list the connection for others to fill.
+    fn open_h2(&self) -> (OpeningH2, StreamSlot) {
+        let connector = self.connector.clone();
+        let shared = self.shared_h2.clone();
+        let opening = self.opening_h2.clone();
+        let streams = Arc::new(AtomicUsize::new(1));
+        let opener = StreamSlot(streams.clone());
+        let counted = streams.clone();
+        let task = tokio::spawn(async move {
+            let opened = match connector.open().await {
+                Ok(Sender::Http2(sender)) => {
+                    lock(&shared).push(SharedH2 {
+                        sender: sender.clone(),
+                        streams: counted.clone(),
+                        quiet_ticks: 0,
+                    });
+                    Ok(sender)
+                }
+                Ok(Sender::Http1(_)) => Err(Arc::new(ConnectError::Io(std::io::Error::other(
+                    "an HTTP/1.1 connection where HTTP/2 was asked for",
+                )))),
+                Err(e) => Err(Arc::new(e)),
+            };
+            let mut opening = lock(&opening);
+            if opening
+                .as_ref()
+                .is_some_and(|o| Arc::ptr_eq(&o.streams, &counted))
+            {
+                *opening = None;
+            }
+            opened
+        });
+        let done = async move {
+            task.await.unwrap_or_else(|e| {
+                Err(Arc::new(ConnectError::Io(std::io::Error::other(format!(
+                    "opening the connection failed: {e}"
+                )))))
+            })
+        }
+        .boxed()
+        .shared();
+        (OpeningH2 { done, streams }, opener)
     }
 
     /// The most recently used open, idle connection, if any. Last in, first
     /// out: the warmest connection is the least likely to be closing.
-    fn checkout_idle(&self) -> Option<(Sender, Option<StreamSlot>)> {
+    fn checkout_idle(&self) -> Option<Found> {
         if self.connector.is_http2() {
             let mut shared = lock(&self.shared_h2);
             shared.retain(|h2| !h2.sender.is_closed());
-            return shared
-                .iter()
-                .find(|h2| {
-                    h2.sender.is_ready()
-                        && h2.streams.load(Ordering::Acquire) < H2_STREAMS_PER_CONNECTION
-                })
-                .map(|h2| (Sender::Http2(h2.sender.clone()), Some(h2.slot())));
+            return shared.iter().find_map(|h2| {
+                if !h2.sender.is_ready() {
+                    return None;
+                }
+                let stream = h2.try_slot()?;
+                Some(Found(Sender::Http2(h2.sender.clone()), Some(stream)))
+            });
         }
         let mut idle = lock(&self.idle);
         // Open but not yet idle (its dispatcher has not run since the
@@ -254,7 +391,7 @@ impl Pool {
                 continue;
             }
             if entry.sender.is_ready() {
-                break Some((Sender::Http1(entry.sender), None));
+                break Some(Found(Sender::Http1(entry.sender), None));
             }
             settling.push(entry);
         };
@@ -285,7 +422,9 @@ impl Pool {
         // is let go once it has carried no stream for two ticks in a row
         // (about POOL_IDLE_TIMEOUT), so load hovering around the stream
         // limit does not open and close connections. Checkout counts a
-        // stream under the same lock, so none is handed out meanwhile.
+        // stream under the same lock, and a new connection is listed with
+        // its waiters' streams already counted, so none is handed out
+        // meanwhile.
         let mut first = true;
         lock(&self.shared_h2).retain_mut(|h2| {
             if h2.streams.load(Ordering::Acquire) == 0 {
@@ -381,7 +520,20 @@ impl http_body::Body for PooledBody {
             std::task::Poll::Ready(Some(Err(_))) => this.home = None,
             _ => {}
         }
-        polled
+        // An HTTP/2 upstream's trailers can be slices of its frame buffer
+        // (hyper copies HTTP/1.1 trailers itself; see
+        // `headers::detach_values`).
+        polled.map(|frame| {
+            frame.map(|frame| {
+                frame.map(|frame| match frame.into_trailers() {
+                    Ok(mut trailers) => {
+                        super::headers::detach_values(&mut trailers);
+                        http_body::Frame::trailers(trailers)
+                    }
+                    Err(frame) => frame,
+                })
+            })
+        })
     }
 
     fn is_end_stream(&self) -> bool {
@@ -423,8 +575,8 @@ mod tests {
         for _ in 0..100 {
             match pool.checkout_idle() {
                 None => break,
-                Some((Sender::Http1(sender), _)) => pool.checkin(sender),
-                Some((Sender::Http2(_), _)) => panic!("an HTTP/1.1 pool"),
+                Some(Found(Sender::Http1(sender), _)) => pool.checkin(sender),
+                Some(Found(Sender::Http2(_), _)) => panic!("an HTTP/1.1 pool"),
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -480,5 +632,132 @@ mod tests {
         assert_eq!(lock(&pool.shared_h2).len(), 1, "the idle sibling is let go");
         let again = pool.checkout().await.unwrap();
         assert!(again.reused, "the first connection is still shared");
+    }
+
+    #[tokio::test]
+    async fn a_burst_on_a_cold_h2_pool_opens_one_connection_per_hundred_streams() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::AcqRel);
+                tokio::spawn(async move {
+                    if let Ok(mut connection) = h2::server::handshake(tcp).await {
+                        while connection.accept().await.is_some() {}
+                    }
+                });
+            }
+        });
+        let options = PoolOptions {
+            http2: true,
+            ..PoolOptions::default()
+        };
+        let pool = Pool::with_options(addr.to_string(), options);
+        let checkouts = (0..250).map(|_| pool.checkout());
+        let checked = futures_util::future::join_all(checkouts).await;
+        let slots: Vec<StreamSlot> = checked
+            .into_iter()
+            .map(|c| c.unwrap().stream.unwrap())
+            .collect();
+        assert_eq!(slots.len(), 250);
+        let mut carried: Vec<usize> = lock(&pool.shared_h2)
+            .iter()
+            .map(|h2| h2.streams.load(Ordering::Acquire))
+            .collect();
+        carried.sort_unstable();
+        assert_eq!(carried, [50, 100, 100], "three connections, filled in turn");
+        // (The upstream's accept loop may run after the handshakes.)
+        for _ in 0..100 {
+            if accepted.load(Ordering::Acquire) >= 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            accepted.load(Ordering::Acquire),
+            3,
+            "250 requests at once on a cold pool: three connections"
+        );
+    }
+
+    #[tokio::test]
+    async fn waiters_on_an_h2_open_that_fails_all_fail_as_never_sent_and_the_next_tries_again() {
+        // A port nothing listens on: the connect is refused.
+        let addr = TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let options = PoolOptions {
+            http2: true,
+            ..PoolOptions::default()
+        };
+        let pool = Pool::with_options(addr.to_string(), options);
+        let checkouts = (0..20).map(|_| pool.checkout());
+        for result in futures_util::future::join_all(checkouts).await {
+            assert!(matches!(result, Err(ConnectError::Io(_))));
+        }
+        assert!(lock(&pool.opening_h2).is_none(), "no stale open is kept");
+        let listener = TcpListener::bind(addr).await.unwrap();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            if let Ok(mut connection) = h2::server::handshake(tcp).await {
+                while connection.accept().await.is_some() {}
+            }
+        });
+        assert!(pool.checkout().await.is_ok(), "the next request opens anew");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiters_on_a_slow_h2_open_wait_for_that_one_open_only() {
+        // An upstream that takes the TCP connection and never answers the
+        // TLS handshake: the open ends at the connect timeout.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((tcp, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::AcqRel);
+                held.push(tcp);
+            }
+        });
+        let files = crate::tls::ClientFiles {
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
+        };
+        let config = crate::tls::client_config(&files, true).unwrap();
+        let name = ServerName::try_from("localhost").unwrap();
+        let timeout = Duration::from_millis(300);
+        let options = PoolOptions {
+            tls: Some((config, name)),
+            http2: true,
+            connect_timeout: Some(timeout),
+        };
+        let pool = Pool::with_options(addr.to_string(), options);
+        let started = tokio::time::Instant::now();
+        let checkouts = (0..150).map(|_| pool.checkout());
+        for result in futures_util::future::join_all(checkouts).await {
+            match result {
+                Err(ConnectError::Io(e)) => assert_eq!(e.kind(), std::io::ErrorKind::TimedOut),
+                Err(e) => panic!("a connect timeout, not {e}"),
+                Ok(_) => panic!("the upstream never answers"),
+            }
+        }
+        assert!(
+            started.elapsed() < timeout * 2,
+            "each waited for one open: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            accepted.load(Ordering::Acquire),
+            2,
+            "two opens for 150 requests"
+        );
     }
 }
