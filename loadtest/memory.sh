@@ -14,7 +14,8 @@
 # "1,000 clients" rather than "1,000 requests in flight at once".
 # PLAIN=1 measures the same without TLS (HTTP/1.1 and h2c), to tell what
 # TLS costs per connection. H1=N and H2=N change the 500 + 500 split, to
-# tell what each protocol costs per connection.
+# tell what each protocol costs per connection. UPSTREAM_MAX=N sets
+# upstreams[].max_connections.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-8}
@@ -67,6 +68,7 @@ database_url = "sqlite://$WORK/idemgate.db"
 [[upstreams]]
 name = "nginx"
 url = "http://127.0.0.1:18581"
+max_connections = ${UPSTREAM_MAX:-0}
 [[routes]]
 name = "pass"
 methods = ["GET"]
@@ -82,8 +84,8 @@ LIMIT=()
 [ -n "${RATE:-}" ] && LIMIT=(-q $((RATE / 2)))
 H1=${H1:-500}; H2=${H2:-500}
 O1=; O2=
-(( H1 > 0 )) && { oha -z "${SECS}s" -c "$H1" "${LIMIT[@]}" --no-tui --insecure $SCHEME://127.0.0.1:18580/pass/x >/dev/null 2>&1 & O1=$!; }
-(( H2 > 0 )) && { oha -z "${SECS}s" -c "$H2" --http2 -p 1 "${LIMIT[@]}" --no-tui --insecure $SCHEME://127.0.0.1:18580/pass/x >/dev/null 2>&1 & O2=$!; }
+(( H1 > 0 )) && { oha -z "${SECS}s" -c "$H1" "${LIMIT[@]}" --no-tui --insecure --output-format json $SCHEME://127.0.0.1:18580/pass/x >"$WORK/h1.json" 2>/dev/null & O1=$!; }
+(( H2 > 0 )) && { oha -z "${SECS}s" -c "$H2" --http2 -p 1 "${LIMIT[@]}" --no-tui --insecure --output-format json $SCHEME://127.0.0.1:18580/pass/x >"$WORK/h2.json" 2>/dev/null & O2=$!; }
 sleep $((SECS - 2))
 LOADED=$(kib $GW VmRSS)
 CONNS=$(ss -Htn state established '( sport = :18580 )' | wc -l)
@@ -93,4 +95,14 @@ FILE=$(kib $GW RssFile)
 wait $O1 $O2 || true  # (unquoted: one may be empty)
 PEAK=$(kib $GW VmHWM)
 echo "client connections $CONNS, upstream connections $UPSTREAM"
+python3 - "$WORK" <<'PY'
+import json, os, sys
+for name in ("h1", "h2"):
+    path = os.path.join(sys.argv[1], name + ".json")
+    if os.path.exists(path) and os.path.getsize(path):
+        r = json.load(open(path))
+        s = r["summary"]
+        codes = r.get("statusCodeDistribution", {})
+        print(f"{name}: {s['requestsPerSec']:.0f} req/s, p99 {r['latencyPercentiles']['p99'] * 1000:.1f} ms, statuses {codes}")
+PY
 echo "RSS idle $((IDLE / 1024)) MiB, loaded $((LOADED / 1024)) MiB (anonymous $((ANON / 1024)), file $((FILE / 1024))), peak $((PEAK / 1024)) MiB"

@@ -38,6 +38,9 @@ const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 const DEFAULT_BODY_READ_TIMEOUT: &str = "30s";
 const DEFAULT_SHUTDOWN_GRACE: &str = "30s";
 const DEFAULT_HTTP2: bool = true;
+/// `upstreams[].max_connections`: no cap, as nginx (`max_conns`) and
+/// HAProxy (`maxconn` per server) default to.
+const DEFAULT_UPSTREAM_MAX_CONNECTIONS: usize = 0;
 
 /// The embedded store every fresh checkout runs on.
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://data/idemgate.db";
@@ -200,6 +203,12 @@ pub struct UpstreamConfig {
     /// plain HTTP).
     #[serde(default)]
     pub http2: bool,
+    /// At most this many HTTP/1.1 connections to it at once (0: no cap),
+    /// split over the workers; past it requests wait for a connection to
+    /// come back, up to the connect timeout (half the timeout, at most
+    /// 5 s), then `503 upstream-busy`.
+    #[serde(default = "default_upstream_max_connections")]
+    pub max_connections: usize,
 }
 
 /// `[[routes]]`: which requests go where, under which policy.
@@ -408,6 +417,9 @@ fn default_token_ttl() -> HumanDuration {
 }
 fn default_identity_header() -> String {
     DEFAULT_IDENTITY_HEADER.into()
+}
+fn default_upstream_max_connections() -> usize {
+    DEFAULT_UPSTREAM_MAX_CONNECTIONS
 }
 fn default_upstream_timeout() -> HumanDuration {
     DEFAULT_UPSTREAM_TIMEOUT.into()

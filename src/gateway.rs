@@ -523,7 +523,10 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
     let upstreams: std::collections::HashMap<&str, (Arc<Upstream>, _)> = shared
         .upstreams
         .iter()
-        .map(|(name, upstream)| (name.as_str(), (upstream.clone(), upstream.pool())))
+        .map(|(name, upstream)| {
+            let pool = upstream.worker_pool(shared.workers);
+            (name.as_str(), (upstream.clone(), pool))
+        })
         .collect();
     let mut routes = Vec::with_capacity(config.routes.len());
     for r in &config.routes {

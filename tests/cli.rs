@@ -308,6 +308,7 @@ fn check_config_shows_each_listener_and_upstream_scheme_and_protocol() {
         [server]
         listen = "127.0.0.1:8443"
         http2 = false
+        worker_threads = 2
         [[upstreams]]
         name = "orders"
         url = "http://127.0.0.1:9001"
@@ -315,6 +316,14 @@ fn check_config_shows_each_listener_and_upstream_scheme_and_protocol() {
         [[upstreams]]
         name = "payments"
         url = "https://localhost:9443"
+        [[upstreams]]
+        name = "stock"
+        url = "http://127.0.0.1:9002"
+        max_connections = 10
+        [[routes]]
+        name = "stock"
+        path_prefix = "/stock/"
+        upstream = "stock"
         [[routes]]
         name = "all"
         path_prefix = "/orders/"
@@ -337,10 +346,17 @@ fn check_config_shows_each_listener_and_upstream_scheme_and_protocol() {
             .join(" ")
     };
     assert_eq!(line("public"), "public 127.0.0.1:8443 http HTTP/1.1");
-    assert_eq!(line("orders"), "orders http://127.0.0.1:9001 http h2c -");
+    assert_eq!(
+        line("orders"),
+        "orders http://127.0.0.1:9001 http h2c shared -"
+    );
     assert_eq!(
         line("payments"),
-        "payments https://localhost:9443 https HTTP/1.1 system roots"
+        "payments https://localhost:9443 https HTTP/1.1 no cap system roots"
+    );
+    assert_eq!(
+        line("stock"),
+        "stock http://127.0.0.1:9002 http HTTP/1.1 5 per worker -"
     );
 }
 

@@ -427,6 +427,75 @@ async fn refused_connection_is_502_and_released() {
     upstream.shutdown().await;
 }
 
+/// `upstreams[].max_connections`: a request that finds every allowed
+/// connection in use waits for one, and one that waited past half the
+/// upstream timeout is `503 upstream-busy` with its claim released: the
+/// retry executes, once (counted on `/actions/`, which executes every
+/// call it gets).
+#[tokio::test]
+async fn past_the_upstream_connection_cap_a_request_waits_then_is_busy_and_released() {
+    let stack = Stack::start_with(&key_route(""), |c| {
+        c.server.worker_threads = 1;
+        c.upstreams[0].max_connections = 1;
+        // Queued requests wait up to 1 s; the first holds the connection
+        // for 1.5 s, well within its own 2 s.
+        c.upstreams[0].timeout = "2s".into();
+    })
+    .await;
+    let holder = {
+        let http = stack.http.clone();
+        let url = stack.url("/actions/capped");
+        tokio::spawn(async move {
+            let headers = [("idempotency-key", "first"), ("x-demo-delay-ms", "1500")];
+            http.send("POST", &url, &headers, "{}").await
+        })
+    };
+    support::reached(&stack.upstream, 1).await;
+    let busy = post(&stack, "/actions/capped", "second", "{}", &[]).await;
+    assert_eq!(busy.status, 503);
+    assert_eq!(busy.problem_type(), "urn:idemgate:problem:upstream-busy");
+    assert_eq!(busy.header("retry-after"), Some("1"));
+    let record = stack.gateway.store.find("act", "second").await.unwrap();
+    assert_eq!(record[0].state, idemgate::store::RecordState::Released);
+    assert_eq!(holder.await.unwrap().status, 201);
+    assert_eq!(
+        support::executions(&stack, "capped"),
+        1,
+        "the queued one never went"
+    );
+    let retry = post(&stack, "/actions/capped", "second", "{}", &[]).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(
+        support::executions(&stack, "capped"),
+        2,
+        "the retry executed once"
+    );
+    stack.shutdown().await;
+}
+
+/// Under the cap a burst queues instead of failing: 100 keys at once
+/// through one connection, each executed once.
+#[tokio::test]
+async fn a_burst_queues_behind_the_upstream_connection_cap() {
+    let stack = Stack::start_with(&key_route(""), |c| {
+        c.server.worker_threads = 1;
+        c.upstreams[0].max_connections = 1;
+        c.upstreams[0].timeout = "10s".into();
+    })
+    .await;
+    let answers = support::concurrent_posts(
+        &stack.http,
+        100,
+        |_| stack.url("/actions/burst"),
+        |i| support::pairs(&[("idempotency-key", &format!("burst-{i}"))]),
+        "{}",
+    )
+    .await;
+    assert!(answers.iter().all(|a| a.status == 201));
+    assert_eq!(support::executions(&stack, "burst"), 100);
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn clients_never_share_records_or_responses() {
     let stack = Stack::start(&key_route("")).await;

@@ -369,6 +369,30 @@ async fn http2_upstreams_over_tls_alpn_and_prior_knowledge() {
 }
 
 #[test]
+fn a_connection_cap_on_an_http2_upstream_is_refused_naming_the_key() {
+    let text = r#"
+        [[upstreams]]
+        name = "u"
+        url = "http://127.0.0.1:1"
+        http2 = true
+        max_connections = 8
+        [[routes]]
+        name = "r"
+        path_prefix = "/"
+        upstream = "u"
+    "#;
+    let config = Config::parse(text, "t.toml").unwrap();
+    let problems = config.validate("t.toml").unwrap_err();
+    let keys: Vec<String> = problems.problems().iter().map(|p| p.key.clone()).collect();
+    assert_eq!(keys, ["upstreams[0].max_connections"]);
+    let plain = text.replace("http2 = true", "http2 = false");
+    Config::parse(&plain, "t.toml")
+        .unwrap()
+        .validate("t.toml")
+        .expect("an HTTP/1.1 upstream may be capped");
+}
+
+#[test]
 fn tls_files_are_checked_at_start_up_naming_the_key() {
     let pki = Pki::generate();
     let check = |extra: &str| {

@@ -41,8 +41,8 @@ fn print_endpoints(config: &Config) {
     );
     println!();
     println!(
-        "{:<20} {:<34} {:<7} {:<9} TLS",
-        "UPSTREAM", "URL", "SCHEME", "PROTOCOL"
+        "{:<20} {:<34} {:<7} {:<9} {:<16} TLS",
+        "UPSTREAM", "URL", "SCHEME", "PROTOCOL", "CONNECTIONS"
     );
     for u in &config.upstreams {
         let https = u.url.to_ascii_lowercase().starts_with("https://");
@@ -63,12 +63,22 @@ fn print_endpoints(config: &Config) {
                 None => trust,
             }
         };
+        let workers = match config.server.worker_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let connections = match (u.http2, u.max_connections) {
+            (true, _) => "shared".to_owned(),
+            (false, 0) => "no cap".to_owned(),
+            (false, n) => format!("{} per worker", (n / workers).max(1)),
+        };
         println!(
-            "{:<20} {:<34} {:<7} {:<9} {tls}",
+            "{:<20} {:<34} {:<7} {:<9} {:<16} {tls}",
             u.name,
             u.url,
             if https { "https" } else { "http" },
-            protocol
+            protocol,
+            connections
         );
     }
     println!();

@@ -57,6 +57,7 @@ impl UpstreamConfig {
             client_cert: self.client_cert.as_deref(),
             client_key: self.client_key.as_deref(),
             http2: self.http2,
+            max_connections: self.max_connections,
         }
     }
 }

@@ -154,6 +154,12 @@ impl Config {
             if let Some(reason) = u.timeout.problem() {
                 add(key("timeout"), reason);
             }
+            if u.http2 && u.max_connections > 0 {
+                add(
+                    key("max_connections"),
+                    "caps HTTP/1.1 upstreams only: an HTTP/2 upstream's requests share connections of 100 streams".into(),
+                );
+            }
         }
 
         let mut route_names = BTreeSet::new();

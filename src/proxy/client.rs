@@ -35,6 +35,9 @@ pub(super) enum SendError {
     /// No connection could be opened: nothing was sent.
     #[error("connecting failed: {0}")]
     Connect(String),
+    /// Every connection the pool may open stayed in use: nothing was sent.
+    #[error("every allowed upstream connection stayed in use")]
+    Busy,
     /// The upstream's certificate was refused (or it refused ours):
     /// nothing was sent.
     #[error("{0}")]
@@ -57,6 +60,7 @@ impl From<ConnectError> for SendError {
     fn from(e: ConnectError) -> Self {
         match e {
             ConnectError::Tls(e) => SendError::Tls(e.to_string()),
+            ConnectError::Busy => SendError::Busy,
             e => SendError::Connect(e.to_string()),
         }
     }
@@ -70,6 +74,7 @@ pub(super) async fn send(
     body: Body,
     limit: u64,
 ) -> Result<Response<Body>, SendError> {
+    let to_h2_client = request.version == http::Version::HTTP_2;
     let exact = body.size_hint().exact();
     if exact.is_some_and(|len| len > limit) {
         return Err(SendError::BodyTooLarge);
@@ -91,7 +96,11 @@ pub(super) async fn send(
             })
         }
     };
-    let mut checked = pool.checkout().await?;
+    // Finding a connection (waiting under a cap, opening, opening again
+    // for a pooled one found closed) ends by one deadline, below the
+    // upstream timeout: a request that never left is told as such.
+    let deadline = pool.deadline();
+    let mut checked = pool.checkout_until(deadline).await?;
     let outgoing = upstream_request(pool, request, body, exact, &checked.sender);
     let answer = match try_send(&mut checked.sender, outgoing).await {
         Err(Failed::Unsent(outgoing)) if checked.reused => {
@@ -102,7 +111,7 @@ pub(super) async fn send(
                 layer = "proxy",
                 "pooled connection was closed; sending on a new one"
             );
-            checked = pool.connect().await?;
+            checked = pool.reconnect_until(deadline).await?;
             try_send(&mut checked.sender, *outgoing).await
         }
         other => other,
@@ -129,7 +138,11 @@ pub(super) async fn send(
     // connection whose peer frames ambiguously is not trusted again.
     let ambiguous =
         headers::strip_response_headers(&mut parts.headers).map_err(SendError::Broken)?;
-    headers::detach_values(&mut parts.headers);
+    if to_h2_client {
+        // Only an HTTP/2 client's connection keeps header values (in its
+        // HPACK table); an HTTP/1.1 one writes and drops them.
+        headers::detach_values(&mut parts.headers);
+    }
     let home = match checked.sender {
         Sender::Http1(sender) if !ambiguous => Some((sender, pool.clone())),
         _ => None,
@@ -357,13 +370,14 @@ impl http_body::Body for Counted {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// hyper parses an answer's header values as slices of the
-    /// connection's read buffer; the gateway copies them out (see
-    /// `headers::detach_values`): here they sit back to back in one
-    /// allocation, where slices of the read buffer would have the header
-    /// names and `: ` between them.
+    /// connection's read buffer; for an HTTP/2 client the gateway copies
+    /// them out (see `headers::detach_values`): here they sit back to back
+    /// in one allocation, where slices of the read buffer would have the
+    /// header names and `: ` between them.
     #[tokio::test]
     async fn an_answers_header_values_are_copied_out_of_the_read_buffer() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -380,7 +394,11 @@ mod tests {
             .unwrap();
             let _ = tcp.read(&mut head).await;
         });
-        let (parts, _) = Request::get("/x").body(()).unwrap().into_parts();
+        let (parts, _) = Request::get("/x")
+            .version(http::Version::HTTP_2)
+            .body(())
+            .unwrap()
+            .into_parts();
         let answer = send(&pool, parts, Body::empty(), 1024).await.unwrap();
         let values: Vec<&[u8]> = answer.headers().values().map(|v| v.as_bytes()).collect();
         assert_eq!(values.len(), 4);
@@ -411,7 +429,11 @@ mod tests {
             .unwrap();
             let _ = tcp.read(&mut head).await;
         });
-        let (parts, _) = Request::get("/x").body(()).unwrap().into_parts();
+        let (parts, _) = Request::get("/x")
+            .version(http::Version::HTTP_2)
+            .body(())
+            .unwrap()
+            .into_parts();
         let answer = send(&pool, parts, Body::empty(), 1024).await.unwrap();
         let collected = answer.into_body().collect().await.unwrap();
         let trailers = collected.trailers().expect("the trailers").clone();
@@ -422,5 +444,157 @@ mod tests {
             values[1].as_ptr(),
             "values back to back in one allocation of their own"
         );
+    }
+
+    /// An upstream that answers every request after `delay`, counting the
+    /// connections it accepted and the most requests it held at once.
+    async fn counting_upstream(
+        delay: Duration,
+    ) -> (
+        std::net::SocketAddr,
+        Arc<std::sync::atomic::AtomicUsize>,
+        Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        use std::sync::atomic::AtomicUsize;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (accepted, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (counted, peaked) = (accepted.clone(), peak.clone());
+        let held = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::AcqRel);
+                let (held, peaked) = (held.clone(), peaked.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |_req| {
+                        let (held, peaked) = (held.clone(), peaked.clone());
+                        async move {
+                            let now = held.fetch_add(1, Ordering::AcqRel) + 1;
+                            peaked.fetch_max(now, Ordering::AcqRel);
+                            tokio::time::sleep(delay).await;
+                            held.fetch_sub(1, Ordering::AcqRel);
+                            Ok::<_, std::convert::Infallible>(http::Response::new(
+                                http_body_util::Full::new(Bytes::from_static(b"ok")),
+                            ))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                        .await;
+                });
+            }
+        });
+        (addr, accepted, peak)
+    }
+
+    fn capped_pool(addr: std::net::SocketAddr, cap: usize, connect: Duration) -> Arc<Pool> {
+        Pool::with_options(
+            addr.to_string(),
+            super::super::pool::PoolOptions {
+                connect_timeout: Some(connect),
+                max_connections: Some(cap),
+                ..Default::default()
+            },
+        )
+    }
+
+    async fn get(pool: &Arc<Pool>) -> Result<Response<Body>, SendError> {
+        let (parts, _) = Request::get("/x").body(()).unwrap().into_parts();
+        let answer = send(pool, parts, Body::empty(), 1024).await?;
+        let (parts, body) = answer.into_parts();
+        // Read to the end: that is what gives the connection back.
+        let body = body.collect().await.unwrap().to_bytes();
+        Ok(Response::from_parts(parts, Body::from(body)))
+    }
+
+    #[tokio::test]
+    async fn a_capped_pool_queues_requests_behind_its_connections() {
+        let (addr, accepted, peak) = counting_upstream(Duration::from_millis(5)).await;
+        let pool = capped_pool(addr, 4, Duration::from_secs(5));
+        let answers = futures_util::future::join_all((0..200).map(|_| get(&pool))).await;
+        for answer in answers {
+            assert_eq!(answer.expect("every request answered").status(), 200);
+        }
+        assert!(
+            accepted.load(Ordering::Acquire) <= 4,
+            "{} connections for a cap of 4",
+            accepted.load(Ordering::Acquire)
+        );
+        assert!(peak.load(Ordering::Acquire) <= 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_found_no_connection_in_time_was_never_sent() {
+        let (addr, accepted, _) = counting_upstream(Duration::from_secs(3)).await;
+        let pool = capped_pool(addr, 1, Duration::from_millis(500));
+        let holder = tokio::spawn({
+            let pool = pool.clone();
+            async move { get(&pool).await.map(|a| a.status()) }
+        });
+        // The first request holds the only connection for 3 s.
+        while accepted.load(Ordering::Acquire) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let started = tokio::time::Instant::now();
+        let queued = get(&pool).await;
+        assert!(matches!(queued, Err(SendError::Busy)), "{queued:?}");
+        assert!(started.elapsed() <= Duration::from_millis(600));
+        assert_eq!(holder.await.unwrap().unwrap(), 200);
+        assert_eq!(accepted.load(Ordering::Acquire), 1, "the cap held");
+        assert_eq!(get(&pool).await.unwrap().status(), 200, "room again");
+    }
+
+    /// A queued request whose client hangs up just as a connection is
+    /// handed to it passes the connection on instead of closing it.
+    #[tokio::test]
+    async fn a_queued_request_that_is_dropped_passes_its_connection_on() {
+        let (addr, accepted, _) = counting_upstream(Duration::from_millis(50)).await;
+        let pool = capped_pool(addr, 1, Duration::from_secs(5));
+        let (parts, _) = Request::get("/x").body(()).unwrap().into_parts();
+        let first = send(&pool, parts, Body::empty(), 1024).await.unwrap();
+        let queued = tokio::spawn({
+            let pool = pool.clone();
+            async move { get(&pool).await.map(|a| a.status()) }
+        });
+        // Let it queue behind the first.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!queued.is_finished());
+        // Reading the first answer to the end hands the connection to the
+        // queued request, which is dropped before it runs again.
+        let _ = first.into_body().collect().await.unwrap();
+        queued.abort();
+        assert!(queued.await.unwrap_err().is_cancelled());
+        assert_eq!(get(&pool).await.unwrap().status(), 200);
+        assert_eq!(
+            accepted.load(Ordering::Acquire),
+            1,
+            "the handed connection was passed on, not closed"
+        );
+    }
+
+    /// A request whose pooled connection was found closed opens a new one
+    /// within the same deadline as its first look: under a cap it waited
+    /// for a place once, not twice.
+    #[tokio::test(start_paused = true)]
+    async fn finding_a_connection_again_shares_the_first_deadline() {
+        let (addr, _, _) = counting_upstream(Duration::from_secs(3)).await;
+        let pool = capped_pool(addr, 1, Duration::from_millis(500));
+        let deadline = pool.deadline();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        // The only place is held by a request for 3 s.
+        let holder = tokio::spawn({
+            let pool = pool.clone();
+            async move { get(&pool).await.map(|a| a.status()) }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let started = tokio::time::Instant::now();
+        let again = pool.reconnect_until(deadline).await;
+        assert!(matches!(again, Err(ConnectError::Busy)));
+        assert!(
+            started.elapsed() <= Duration::from_millis(100),
+            "waited {:?} past the first deadline",
+            started.elapsed()
+        );
+        assert_eq!(holder.await.unwrap().unwrap(), 200);
     }
 }

@@ -47,6 +47,10 @@ pub(super) enum ConnectError {
     Tls(io::Error),
     #[error("HTTP handshake failed: {0}")]
     Handshake(hyper::Error),
+    /// Every connection the pool may open is in use, and none came back
+    /// in time (`upstreams[].max_connections`): nothing was sent.
+    #[error("every allowed connection to the upstream stayed in use")]
+    Busy,
 }
 
 impl ConnectError {
@@ -59,6 +63,7 @@ impl ConnectError {
             ConnectError::Handshake(e) => {
                 ConnectError::Io(io::Error::other(format!("HTTP handshake failed: {e}")))
             }
+            ConnectError::Busy => ConnectError::Busy,
         }
     }
 }
@@ -100,9 +105,19 @@ impl Connector {
         self.http2
     }
 
+    /// The bound on opening one connection.
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Opens a connection and returns its sender; the connection is driven
-    /// by a task on this runtime until every sender is dropped.
-    pub(super) async fn open(&self) -> Result<Sender, ConnectError> {
+    /// by a task on this runtime until every sender is dropped. `held`
+    /// (a place under the pool's connection cap) lives as long as that
+    /// task.
+    pub(super) async fn open(
+        &self,
+        held: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<Sender, ConnectError> {
         let io = tokio::time::timeout(self.timeout, self.stream())
             .await
             .map_err(|_| {
@@ -145,6 +160,7 @@ impl Connector {
                 .await
                 .map_err(ConnectError::Handshake)?;
             tokio::spawn(async move {
+                let _held = held;
                 if let Err(e) = connection.await {
                     tracing::debug!(layer = "proxy", error = %e, "upstream connection ended");
                 }

@@ -29,6 +29,8 @@ pub struct Upstream {
     pub tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
     /// Speak HTTP/2 to it.
     pub http2: bool,
+    /// The cap on HTTP/1.1 connections to it across the workers (0: none).
+    pub max_connections: usize,
 }
 
 /// What an upstream is made from: a validated `[[upstreams]]` entry.
@@ -43,6 +45,7 @@ pub struct UpstreamSpec<'a> {
     pub client_cert: Option<&'a str>,
     pub client_key: Option<&'a str>,
     pub http2: bool,
+    pub max_connections: usize,
 }
 
 impl Upstream {
@@ -77,19 +80,34 @@ impl Upstream {
             timeout: u.timeout,
             tls,
             http2: u.http2,
+            max_connections: u.max_connections,
         })
     }
 
-    /// A pool of this worker's connections to it. Connects are bounded by
-    /// half the upstream's timeout: a connect that hangs is "never sent"
-    /// and must be told before the exchange times out.
+    /// A pool of connections to it, uncapped (the MQ consumers', whose
+    /// deliveries `prefetch` bounds). Connects are bounded by half the
+    /// upstream's timeout: a connect that hangs is "never sent" and must
+    /// be told before the exchange times out.
     pub fn pool(&self) -> Arc<Pool> {
+        self.pool_with(None)
+    }
+
+    /// One worker's pool, with its share of `max_connections` (rounded
+    /// down, at least one).
+    pub fn worker_pool(&self, workers: usize) -> Arc<Pool> {
+        let share =
+            (self.max_connections > 0).then(|| (self.max_connections / workers.max(1)).max(1));
+        self.pool_with(share)
+    }
+
+    fn pool_with(&self, max_connections: Option<usize>) -> Arc<Pool> {
         Pool::with_options(
             self.authority.to_string(),
             PoolOptions {
                 tls: self.tls.clone(),
                 http2: self.http2,
                 connect_timeout: Some(self.timeout / 2),
+                max_connections,
             },
         )
     }
@@ -104,6 +122,8 @@ pub enum ProxyError {
     Tls { upstream: String, cause: String },
     #[error("upstream {0} gave no answer within its timeout")]
     Timeout(String),
+    #[error("every allowed connection to upstream {0} stayed in use")]
+    Busy(String),
     #[error("upstream {upstream} connection failed: {cause}")]
     Broken { upstream: String, cause: String },
     #[error("request body over {limit} bytes")]
@@ -118,7 +138,7 @@ impl ProxyError {
     fn failure(&self) -> ForwardFailure {
         match self {
             ProxyError::Connect(_) | ProxyError::BodyTooLarge { .. } => ForwardFailure::NotSent,
-            ProxyError::Tls { .. } => ForwardFailure::NotSent,
+            ProxyError::Tls { .. } | ProxyError::Busy(_) => ForwardFailure::NotSent,
             ProxyError::BadRequestBody(_) => ForwardFailure::NotSent,
             ProxyError::Timeout(_) | ProxyError::Broken { .. } => ForwardFailure::Uncertain,
         }
@@ -178,6 +198,7 @@ impl Proxy {
         let upstream = self.upstream.name.clone();
         match e {
             SendError::Connect(_) => ProxyError::Connect(upstream),
+            SendError::Busy => ProxyError::Busy(upstream),
             SendError::Tls(cause) => ProxyError::Tls { upstream, cause },
             SendError::BodyTooLarge => ProxyError::BodyTooLarge { limit },
             SendError::RequestBody(cause) => ProxyError::BadRequestBody(cause),
@@ -241,6 +262,13 @@ impl From<&ProxyError> for crate::error::Problem {
                 "The upstream's TLS certificate was not trusted, or the TLS handshake failed",
             )
             .detail("nothing was sent upstream; the request can be retried"),
+            E::Busy(_) => crate::error::Problem::new(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "upstream-busy",
+                "Every connection the gateway may open to the upstream stayed in use",
+            )
+            .detail("nothing was sent upstream; the request can be retried")
+            .retry_after(1),
             E::Timeout(_) => crate::error::Problem::new(
                 http::StatusCode::GATEWAY_TIMEOUT,
                 "upstream-timeout",

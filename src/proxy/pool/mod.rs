@@ -9,7 +9,13 @@
 //!
 //! HTTP/1.1 connections carry one exchange at a time and go back to the
 //! pool when their answer's body has been read to the end (see
-//! [`PooledBody`]). An HTTP/2 upstream gets multiplexed connections shared
+//! [`PooledBody`]). With `upstreams[].max_connections` a worker opens at
+//! most its share of them; past it, requests queue, first come first
+//! served, and a returned connection is handed straight to the longest
+//! waiting (newcomers cannot overtake them). Waiting and opening share one
+//! deadline per request, the connect timeout, so a request that got no
+//! connection is reported as never sent (`Busy`), not as an upstream
+//! timeout. An HTTP/2 upstream gets multiplexed connections shared
 //! by every request of the worker: one, and another whenever every open one
 //! carries [`H2_STREAMS_PER_CONNECTION`] streams. Requests that find none
 //! with room join the one connection being opened (up to its stream count)
@@ -18,6 +24,7 @@
 //! is bounded by the connect timeout, so a failed open still reports the
 //! request as never sent.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -27,8 +34,12 @@ use futures_util::FutureExt as _;
 use futures_util::future::{BoxFuture, Shared};
 use hyper::client::conn::{http1, http2};
 use rustls::pki_types::ServerName;
+use tokio::sync::{Semaphore, oneshot};
 
 use super::connect::{ConnectError, Connector, Sender};
+
+mod capped;
+use capped::ready_idle;
 
 /// Idle connections are closed after this, well below the keep-alive
 /// timeouts of common servers (nginx 75 s; Node's 5 s is the exception), so
@@ -135,6 +146,14 @@ pub struct Pool {
     /// Whether this pool's connection tasks share one thread with its
     /// requests (the gateway's workers), see [`Pool::exact_goaway`].
     single_threaded: bool,
+    /// Places for HTTP/1.1 connections, when they are capped: each open
+    /// connection's task holds one.
+    limit: Option<Arc<Semaphore>>,
+    /// Requests waiting for an HTTP/1.1 connection to come back (capped
+    /// pools only), first come first served: a returned connection is
+    /// handed to the longest waiting, so newcomers cannot overtake them.
+    /// Locked only under `idle`'s lock.
+    waiters: Mutex<VecDeque<oneshot::Sender<http1::SendRequest<Body>>>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -154,8 +173,14 @@ pub struct PoolOptions {
     pub tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
     /// Speak HTTP/2 (ALPN over TLS, prior knowledge over plain TCP).
     pub http2: bool,
-    /// Bound on opening one connection (at most five seconds).
+    /// Bound on opening one connection (at most five seconds); with
+    /// `max_connections`, also on waiting for one.
     pub connect_timeout: Option<Duration>,
+    /// At most this many HTTP/1.1 connections at once (an HTTP/2
+    /// upstream's requests share connections anyway). A request that
+    /// finds them all in use waits for one to come back, for at most the
+    /// connect timeout, then fails as never sent.
+    pub max_connections: Option<usize>,
 }
 
 impl Pool {
@@ -201,6 +226,11 @@ impl Pool {
             opening_h2: Arc::default(),
             single_threaded: tokio::runtime::Handle::try_current()
                 .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread),
+            limit: options
+                .max_connections
+                .filter(|_| !options.http2)
+                .map(|n| Arc::new(Semaphore::new(n.max(1)))),
+            waiters: Mutex::new(VecDeque::new()),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(reap(Arc::downgrade(&pool)));
@@ -228,8 +258,24 @@ impl Pool {
         &self.target
     }
 
+    /// The latest a request that is still looking for a connection may go
+    /// on looking (waiting under the cap and opening share it): the
+    /// connect timeout from now.
+    pub(super) fn deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.connector.timeout()
+    }
+
     /// A sender ready for a request: a pooled idle one, or a new connection.
+    #[cfg(test)]
     pub(super) async fn checkout(&self) -> Result<Checked, ConnectError> {
+        self.checkout_until(self.deadline()).await
+    }
+
+    /// [`Pool::checkout`], looking no later than `deadline`.
+    pub(super) async fn checkout_until(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Result<Checked, ConnectError> {
         if let Some(Found(sender, stream)) = self.checkout_idle() {
             return Ok(Checked {
                 sender,
@@ -238,18 +284,42 @@ impl Pool {
                 stream,
             });
         }
-        self.connect().await
+        self.open_until(deadline, false).await
     }
 
     /// A sender on a new connection (an HTTP/2 one is shared from now on,
     /// and requests arriving while it opens join it).
+    #[cfg(test)]
     pub(super) async fn connect(&self) -> Result<Checked, ConnectError> {
+        self.open_until(self.deadline(), true).await
+    }
+
+    /// A sender on a new connection, for a request whose pooled one turned
+    /// out closed: `deadline` is the one its checkout had, so the two
+    /// together stay within one connect timeout.
+    pub(super) async fn reconnect_until(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Result<Checked, ConnectError> {
+        self.open_until(deadline, true).await
+    }
+
+    /// `fresh`: a new connection, not another pooled one (the last one
+    /// was stale, and the next may be too, after an upstream restart).
+    async fn open_until(
+        &self,
+        deadline: tokio::time::Instant,
+        fresh: bool,
+    ) -> Result<Checked, ConnectError> {
         if self.connector.is_http2() {
             return self.join_h2().await;
         }
+        if let Some(limit) = &self.limit {
+            return Box::pin(self.wait_for_h1(limit, deadline, fresh)).await;
+        }
         // Opening a connection is large and rare: boxed so it does not
         // inflate every request's future.
-        let sender = Box::pin(self.connector.open()).await?;
+        let sender = Box::pin(self.connector.open(None)).await?;
         Ok(Checked {
             sender,
             reused: false,
@@ -328,7 +398,7 @@ impl Pool {
         let opener = StreamSlot(streams.clone());
         let counted = streams.clone();
         let task = tokio::spawn(async move {
-            let opened = match connector.open().await {
+            let opened = match connector.open(None).await {
                 Ok(Sender::Http2(sender)) => {
                     lock(&shared).push(SharedH2 {
                         sender: sender.clone(),
@@ -377,26 +447,7 @@ impl Pool {
                 Some(Found(Sender::Http2(h2.sender.clone()), Some(stream)))
             });
         }
-        let mut idle = lock(&self.idle);
-        // Open but not yet idle (its dispatcher has not run since the
-        // answer ended): kept for the next checkout, not closed.
-        let mut settling = Vec::new();
-        let found = loop {
-            let Some(entry) = idle.pop() else { break None };
-            if entry.since.elapsed() >= POOL_IDLE_TIMEOUT {
-                idle.clear(); // everything below it is older still
-                break None;
-            }
-            if entry.sender.is_closed() {
-                continue;
-            }
-            if entry.sender.is_ready() {
-                break Some(Found(Sender::Http1(entry.sender), None));
-            }
-            settling.push(entry);
-        };
-        idle.extend(settling.into_iter().rev());
-        found
+        ready_idle(&mut lock(&self.idle)).map(|sender| Found(Sender::Http1(sender), None))
     }
 
     /// Returns an HTTP/1.1 sender whose exchange ended cleanly.
@@ -405,6 +456,17 @@ impl Pool {
             return;
         }
         let mut idle = lock(&self.idle);
+        let mut sender = sender;
+        if self.limit.is_some() {
+            let mut waiters = lock(&self.waiters);
+            while let Some(waiter) = waiters.pop_front() {
+                match waiter.send(sender) {
+                    Ok(()) => return,
+                    // It stopped waiting: the next one.
+                    Err(back) => sender = back,
+                }
+            }
+        }
         if idle.len() < POOL_MAX_IDLE {
             idle.push(Idle {
                 sender,
@@ -546,218 +608,4 @@ impl http_body::Body for PooledBody {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use tokio::io::AsyncWriteExt;
-    use tokio::net::TcpListener;
-
-    #[tokio::test]
-    async fn a_connection_closed_while_idle_is_not_handed_out() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let pool = Pool::new(listener.local_addr().unwrap().to_string());
-        let Sender::Http1(sender) = pool.connect().await.unwrap().sender else {
-            panic!("an HTTP/1.1 pool");
-        };
-        let (mut server_side, _) = listener.accept().await.unwrap();
-        let mut sender = sender;
-        sender.ready().await.unwrap();
-        pool.checkin(sender);
-        assert_eq!(pool.idle_count(), 1);
-        let live = pool.checkout().await.expect("a live idle connection");
-        assert!(live.reused, "the idle connection is reused");
-        let Sender::Http1(sender) = live.sender else {
-            panic!("an HTTP/1.1 pool");
-        };
-        pool.checkin(sender);
-        server_side.shutdown().await.unwrap();
-        drop(server_side);
-        // hyper's dispatcher reads the idle connection and sees its end.
-        for _ in 0..100 {
-            match pool.checkout_idle() {
-                None => break,
-                Some(Found(Sender::Http1(sender), _)) => pool.checkin(sender),
-                Some(Found(Sender::Http2(_), _)) => panic!("an HTTP/1.1 pool"),
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(pool.idle_count(), 0, "the closed connection is dropped");
-    }
-
-    #[tokio::test]
-    async fn a_full_h2_connection_gets_a_sibling_that_is_let_go_when_idle() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    // Only the handshake: no request is sent in this test.
-                    if let Ok(mut connection) = h2::server::handshake(tcp).await {
-                        while connection.accept().await.is_some() {}
-                    }
-                });
-            }
-        });
-        let options = PoolOptions {
-            http2: true,
-            ..PoolOptions::default()
-        };
-        let pool = Pool::with_options(addr.to_string(), options);
-        let mut slots = Vec::new();
-        for _ in 0..=H2_STREAMS_PER_CONNECTION {
-            slots.push(pool.checkout().await.unwrap().stream.unwrap());
-        }
-        assert_eq!(
-            lock(&pool.shared_h2).len(),
-            2,
-            "the 101st stream opened a second"
-        );
-        // Both carry streams: the reaper keeps both.
-        pool.close_expired();
-        assert_eq!(lock(&pool.shared_h2).len(), 2);
-        let first = lock(&pool.shared_h2)[0].streams.clone();
-        assert_eq!(first.load(Ordering::Acquire), H2_STREAMS_PER_CONNECTION);
-        slots.clear();
-        assert_eq!(
-            first.load(Ordering::Acquire),
-            0,
-            "dropped slots are uncounted"
-        );
-        pool.close_expired();
-        assert_eq!(
-            lock(&pool.shared_h2).len(),
-            2,
-            "one quiet tick is not idle yet"
-        );
-        pool.close_expired();
-        assert_eq!(lock(&pool.shared_h2).len(), 1, "the idle sibling is let go");
-        let again = pool.checkout().await.unwrap();
-        assert!(again.reused, "the first connection is still shared");
-    }
-
-    #[tokio::test]
-    async fn a_burst_on_a_cold_h2_pool_opens_one_connection_per_hundred_streams() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let counted = accepted.clone();
-        tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                counted.fetch_add(1, Ordering::AcqRel);
-                tokio::spawn(async move {
-                    if let Ok(mut connection) = h2::server::handshake(tcp).await {
-                        while connection.accept().await.is_some() {}
-                    }
-                });
-            }
-        });
-        let options = PoolOptions {
-            http2: true,
-            ..PoolOptions::default()
-        };
-        let pool = Pool::with_options(addr.to_string(), options);
-        let checkouts = (0..250).map(|_| pool.checkout());
-        let checked = futures_util::future::join_all(checkouts).await;
-        let slots: Vec<StreamSlot> = checked
-            .into_iter()
-            .map(|c| c.unwrap().stream.unwrap())
-            .collect();
-        assert_eq!(slots.len(), 250);
-        let mut carried: Vec<usize> = lock(&pool.shared_h2)
-            .iter()
-            .map(|h2| h2.streams.load(Ordering::Acquire))
-            .collect();
-        carried.sort_unstable();
-        assert_eq!(carried, [50, 100, 100], "three connections, filled in turn");
-        // (The upstream's accept loop may run after the handshakes.)
-        for _ in 0..100 {
-            if accepted.load(Ordering::Acquire) >= 3 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(
-            accepted.load(Ordering::Acquire),
-            3,
-            "250 requests at once on a cold pool: three connections"
-        );
-    }
-
-    #[tokio::test]
-    async fn waiters_on_an_h2_open_that_fails_all_fail_as_never_sent_and_the_next_tries_again() {
-        // A port nothing listens on: the connect is refused.
-        let addr = TcpListener::bind("127.0.0.1:0")
-            .await
-            .unwrap()
-            .local_addr()
-            .unwrap();
-        let options = PoolOptions {
-            http2: true,
-            ..PoolOptions::default()
-        };
-        let pool = Pool::with_options(addr.to_string(), options);
-        let checkouts = (0..20).map(|_| pool.checkout());
-        for result in futures_util::future::join_all(checkouts).await {
-            assert!(matches!(result, Err(ConnectError::Io(_))));
-        }
-        assert!(lock(&pool.opening_h2).is_none(), "no stale open is kept");
-        let listener = TcpListener::bind(addr).await.unwrap();
-        tokio::spawn(async move {
-            let (tcp, _) = listener.accept().await.unwrap();
-            if let Ok(mut connection) = h2::server::handshake(tcp).await {
-                while connection.accept().await.is_some() {}
-            }
-        });
-        assert!(pool.checkout().await.is_ok(), "the next request opens anew");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn waiters_on_a_slow_h2_open_wait_for_that_one_open_only() {
-        // An upstream that takes the TCP connection and never answers the
-        // TLS handshake: the open ends at the connect timeout.
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let counted = accepted.clone();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((tcp, _)) = listener.accept().await {
-                counted.fetch_add(1, Ordering::AcqRel);
-                held.push(tcp);
-            }
-        });
-        let files = crate::tls::ClientFiles {
-            ca_file: None,
-            client_cert: None,
-            client_key: None,
-        };
-        let config = crate::tls::client_config(&files, true).unwrap();
-        let name = ServerName::try_from("localhost").unwrap();
-        let timeout = Duration::from_millis(300);
-        let options = PoolOptions {
-            tls: Some((config, name)),
-            http2: true,
-            connect_timeout: Some(timeout),
-        };
-        let pool = Pool::with_options(addr.to_string(), options);
-        let started = tokio::time::Instant::now();
-        let checkouts = (0..150).map(|_| pool.checkout());
-        for result in futures_util::future::join_all(checkouts).await {
-            match result {
-                Err(ConnectError::Io(e)) => assert_eq!(e.kind(), std::io::ErrorKind::TimedOut),
-                Err(e) => panic!("a connect timeout, not {e}"),
-                Ok(_) => panic!("the upstream never answers"),
-            }
-        }
-        assert!(
-            started.elapsed() < timeout * 2,
-            "each waited for one open: {:?}",
-            started.elapsed()
-        );
-        assert_eq!(
-            accepted.load(Ordering::Acquire),
-            2,
-            "two opens for 150 requests"
-        );
-    }
-}
+mod tests;
