@@ -41,7 +41,7 @@ impl Pool {
                     // One that came back but whose dispatcher has yet to
                     // run is a scheduler turn from ready, and no one would
                     // hand it over again.
-                    Err(_) => match settling_idle(&mut idle).filter(|_| !fresh) {
+                    Err(_) => match (!fresh).then(|| settling_idle(&mut idle)).flatten() {
                         Some(sender) => (None, Ok(Some(sender))),
                         None => {
                             let (tx, rx) = oneshot::channel();
