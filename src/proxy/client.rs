@@ -373,25 +373,16 @@ mod tests {
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// hyper parses an answer's header values as slices of the
-    /// connection's read buffer; for an HTTP/2 client the gateway copies
-    /// them out (see `headers::detach_values`): here they sit back to back
-    /// in one allocation, where slices of the read buffer would have the
-    /// header names and `: ` between them.
-    #[tokio::test]
-    async fn an_answers_header_values_are_copied_out_of_the_read_buffer() {
+    /// What `send` gives an HTTP/2 client's request when the upstream
+    /// answers `raw` (HTTP/1.1 bytes).
+    async fn answer_to_an_h2_client(raw: &'static [u8]) -> Response<Body> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let pool = Pool::new(listener.local_addr().unwrap().to_string());
         tokio::spawn(async move {
             let (mut tcp, _) = listener.accept().await.unwrap();
             let mut head = [0u8; 1024];
             let _ = tcp.read(&mut head).await.unwrap();
-            tcp.write_all(
-                b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 21:00:00 GMT\r\n\
-                  x-one: first\r\nx-two: second\r\ncontent-length: 2\r\n\r\nok",
-            )
-            .await
-            .unwrap();
+            tcp.write_all(raw).await.unwrap();
             let _ = tcp.read(&mut head).await;
         });
         let (parts, _) = Request::get("/x")
@@ -399,7 +390,21 @@ mod tests {
             .body(())
             .unwrap()
             .into_parts();
-        let answer = send(&pool, parts, Body::empty(), 1024).await.unwrap();
+        send(&pool, parts, Body::empty(), 1024).await.unwrap()
+    }
+
+    /// hyper parses an answer's header values as slices of the
+    /// connection's read buffer; for an HTTP/2 client the gateway copies
+    /// them out (see `headers::detach_values`): here they sit back to back
+    /// in one allocation, where slices of the read buffer would have the
+    /// header names and `: ` between them.
+    #[tokio::test]
+    async fn an_answers_header_values_are_copied_out_of_the_read_buffer() {
+        let answer = answer_to_an_h2_client(
+            b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 21:00:00 GMT\r\n\
+                  x-one: first\r\nx-two: second\r\ncontent-length: 2\r\n\r\nok",
+        )
+        .await;
         let values: Vec<&[u8]> = answer.headers().values().map(|v| v.as_bytes()).collect();
         assert_eq!(values.len(), 4);
         for pair in values.windows(2) {
@@ -415,26 +420,11 @@ mod tests {
     /// them already; an HTTP/2 upstream's can be frame-buffer slices).
     #[tokio::test]
     async fn an_answers_trailer_values_are_copied_out_of_the_read_buffer() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let pool = Pool::new(listener.local_addr().unwrap().to_string());
-        tokio::spawn(async move {
-            let (mut tcp, _) = listener.accept().await.unwrap();
-            let mut head = [0u8; 1024];
-            let _ = tcp.read(&mut head).await.unwrap();
-            tcp.write_all(
-                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-one, x-two\r\n\r\n\
+        let answer = answer_to_an_h2_client(
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-one, x-two\r\n\r\n\
                   2\r\nok\r\n0\r\nx-one: first\r\nx-two: second\r\n\r\n",
-            )
-            .await
-            .unwrap();
-            let _ = tcp.read(&mut head).await;
-        });
-        let (parts, _) = Request::get("/x")
-            .version(http::Version::HTTP_2)
-            .body(())
-            .unwrap()
-            .into_parts();
-        let answer = send(&pool, parts, Body::empty(), 1024).await.unwrap();
+        )
+        .await;
         let collected = answer.into_body().collect().await.unwrap();
         let trailers = collected.trailers().expect("the trailers").clone();
         let values: Vec<&[u8]> = trailers.values().map(|v| v.as_bytes()).collect();

@@ -13,7 +13,7 @@ use axum::body::Body;
 use hyper::client::conn::http1;
 use tokio::sync::{Semaphore, oneshot};
 
-use super::{Checked, Idle, POOL_IDLE_TIMEOUT, Pool, lock};
+use super::{Checked, Found, Idle, POOL_IDLE_TIMEOUT, Pool, lock};
 use crate::proxy::connect::{ConnectError, Sender};
 
 impl Pool {
@@ -31,42 +31,39 @@ impl Pool {
     ) -> Result<Checked, ConnectError> {
         let mut waited = false;
         loop {
-            let (handed, settling) = {
+            let next = {
                 let mut idle = lock(&self.idle);
                 if !fresh && let Some(sender) = ready_idle(&mut idle) {
                     return Ok(reused_h1(sender));
                 }
-                match limit.clone().try_acquire_owned() {
-                    Ok(place) => (None, Err(place)),
-                    // One that came back but whose dispatcher has yet to
-                    // run is a scheduler turn from ready, and no one would
-                    // hand it over again.
-                    Err(_) => match (!fresh).then(|| settling_idle(&mut idle)).flatten() {
-                        Some(sender) => (None, Ok(Some(sender))),
-                        None => {
-                            let (tx, rx) = oneshot::channel();
-                            let mut waiters = lock(&self.waiters);
-                            // Those that stopped waiting (timed out, or
-                            // got a place) are only removed by a checkin:
-                            // swept here as the queue grows.
-                            if waiters.len() >= 64 && waiters.len().is_power_of_two() {
-                                waiters.retain(|w| !w.is_closed());
-                            }
-                            waiters.push_back(tx);
-                            (Some(HandOff { rx, pool: self }), Ok(None))
-                        }
-                    },
+                if let Ok(place) = limit.clone().try_acquire_owned() {
+                    Next::Open(place)
+                } else if let Some(sender) = (!fresh).then(|| settling_idle(&mut idle)).flatten() {
+                    // Came back, its dispatcher yet to run: a scheduler
+                    // turn from ready, and no one would hand it over again.
+                    Next::Settling(sender)
+                } else {
+                    let (tx, rx) = oneshot::channel();
+                    let mut waiters = lock(&self.waiters);
+                    // Those that stopped waiting (timed out, or got a
+                    // place) are only removed by a checkin: swept here as
+                    // the queue grows.
+                    if waiters.len() >= 64 && waiters.len().is_power_of_two() {
+                        waiters.retain(|w| !w.is_closed());
+                    }
+                    waiters.push_back(tx);
+                    Next::Wait(HandOff { rx, pool: self })
                 }
             };
-            let settling = match settling {
-                Err(place) => return self.open_h1_until(place, deadline, waited).await,
-                Ok(settling) => settling,
-            };
-            waited = true;
-            let mut sender = match (settling, handed) {
-                (Some(sender), _) => sender,
-                (None, Some(mut handed)) => {
-                    let outcome = tokio::select! {
+            let mut sender = match next {
+                Next::Open(place) => return self.open_h1_until(place, deadline, waited).await,
+                Next::Settling(sender) => {
+                    waited = true;
+                    sender
+                }
+                Next::Wait(mut handed) => {
+                    waited = true;
+                    let handed_over = tokio::select! {
                         sender = &mut handed.rx => sender.ok(),
                         place = limit.clone().acquire_owned() => {
                             drop(handed); // a connection handed meanwhile goes on
@@ -77,12 +74,11 @@ impl Pool {
                         }
                         () = tokio::time::sleep_until(deadline) => return Err(ConnectError::Busy),
                     };
-                    match outcome {
+                    match handed_over {
                         Some(sender) => sender,
                         None => continue,
                     }
                 }
-                (None, None) => continue,
             };
             match tokio::time::timeout_at(deadline, sender.ready()).await {
                 Ok(Ok(())) => return Ok(reused_h1(sender)),
@@ -123,6 +119,16 @@ impl Pool {
             stream: None,
         })
     }
+}
+
+/// What a request under the cap does next, decided under the idle lock.
+enum Next<'a> {
+    /// Open a connection in this free place.
+    Open(tokio::sync::OwnedSemaphorePermit),
+    /// Wait for this returned connection to become ready.
+    Settling(http1::SendRequest<Body>),
+    /// Queue for the next connection to come back.
+    Wait(HandOff<'a>),
 }
 
 /// A request's place in the queue for a returned HTTP/1.1 connection. A
@@ -176,10 +182,5 @@ fn settling_idle(idle: &mut Vec<Idle>) -> Option<http1::SendRequest<Body>> {
 }
 
 fn reused_h1(sender: http1::SendRequest<Body>) -> Checked {
-    Checked {
-        sender: Sender::Http1(sender),
-        reused: true,
-        first: false,
-        stream: None,
-    }
+    Found(Sender::Http1(sender), None).reused()
 }

@@ -111,6 +111,18 @@ struct Idle {
 /// one.
 struct Found(Sender, Option<StreamSlot>);
 
+impl Found {
+    /// Checked out as a connection that carried earlier requests.
+    fn reused(self) -> Checked {
+        Checked {
+            sender: self.0,
+            reused: true,
+            first: false,
+            stream: self.1,
+        }
+    }
+}
+
 /// A sender checked out of the pool.
 pub(super) struct Checked {
     pub(super) sender: Sender,
@@ -276,13 +288,8 @@ impl Pool {
         &self,
         deadline: tokio::time::Instant,
     ) -> Result<Checked, ConnectError> {
-        if let Some(Found(sender, stream)) = self.checkout_idle() {
-            return Ok(Checked {
-                sender,
-                reused: true,
-                first: false,
-                stream,
-            });
+        if let Some(found) = self.checkout_idle() {
+            return Ok(found.reused());
         }
         self.open_until(deadline, false).await
     }
@@ -344,13 +351,8 @@ impl Pool {
                     // A connection opened since this request looked may
                     // have room (on a multi-threaded runtime the open can
                     // finish in between).
-                    if let Some(Found(sender, stream)) = self.checkout_idle() {
-                        return Ok(Checked {
-                            sender,
-                            reused: true,
-                            first: false,
-                            stream,
-                        });
+                    if let Some(found) = self.checkout_idle() {
+                        return Ok(found.reused());
                     }
                     let (next, stream) = self.open_h2();
                     let joined = (next.done.clone(), stream, true);
