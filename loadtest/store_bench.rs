@@ -31,6 +31,7 @@ async fn main() {
         url,
         pool_size: max.min(32) as u32,
         timeout: Duration::from_secs(5),
+        tombstone: Duration::ZERO,
     })
     .await
     .expect("connect");
@@ -66,9 +67,13 @@ async fn main() {
                 while Instant::now() < deadline {
                     let key = RecordKey::new("bench", &run, format!("c{concurrency}-w{w}-{i}"));
                     i += 1;
-                    if let Ok(Claim::Won { epoch }) = store.claim(&key, "fp", "bench").await
+                    if let Ok(Claim::Won {
+                        epoch,
+                        expires_at_ms,
+                        ..
+                    }) = store.claim(&key, "fp", "bench").await
                         && store
-                            .complete(&key, epoch, "fp", &response)
+                            .complete(&key, epoch, "fp", &response, expires_at_ms)
                             .await
                             .unwrap_or(false)
                     {

@@ -52,6 +52,9 @@ const DEFAULT_FAST_LAYER_BUDGET: &str = "100ms";
 const DEFAULT_MAX_STORED_BODY_BYTES: usize = 1024 * 1024;
 const DEFAULT_POOL_SIZE: u32 = 16;
 const DEFAULT_REDIS_PREFIX: &str = "idemgate:";
+/// `store.tombstone`: off, as the spec's default; an expired key then
+/// executes again, as after Stripe's 24 h.
+const DEFAULT_TOMBSTONE: &str = "0s";
 
 const DEFAULT_TOKEN_TTL: &str = "10m";
 const DEFAULT_IDENTITY_HEADER: &str = "Authorization";
@@ -149,6 +152,10 @@ pub struct StoreConfig {
     pub sweep_interval: HumanDuration,
     #[serde(default)]
     pub archive: bool,
+    /// After `retention`, how long a record is kept as a fingerprint-only
+    /// tombstone: the same request gets 410 instead of executing again.
+    #[serde(default = "default_tombstone")]
+    pub tombstone: HumanDuration,
     /// A fast-layer answer slower than this sends the request down the SQL
     /// path (and is counted in `idemgate_store_fallback_total`).
     #[serde(default = "default_fast_layer_budget")]
@@ -209,6 +216,10 @@ pub struct UpstreamConfig {
     /// 5 s), then `503 upstream-busy`.
     #[serde(default = "default_upstream_max_connections")]
     pub max_connections: usize,
+    /// How long an uncertain outcome keeps its key from being forwarded
+    /// again (a copy may still be running here); default: `timeout`.
+    #[serde(default)]
+    pub uncertain_hold: Option<HumanDuration>,
 }
 
 /// `[[routes]]`: which requests go where, under which policy.
@@ -234,6 +245,9 @@ pub struct RouteConfig {
     pub business_key: Vec<String>,
     /// Callback routes: verify the sender's signature first.
     pub signature: Option<SignatureConfig>,
+    /// A status endpoint on the upstream (`{key}` = the stable key), asked
+    /// before an uncertain request is forwarded again.
+    pub reconcile_path: Option<String>,
 }
 
 /// `[routes.signature]`: how a callback's sender signs it.
@@ -328,6 +342,14 @@ impl HumanDuration {
         self.parsed.filter(|d| !d.is_zero())
     }
 
+    /// [`Self::problem`] for a key whose zero means "off".
+    fn problem_unless_zero(&self) -> Option<String> {
+        match self.parsed {
+            Some(d) if d.is_zero() => None,
+            _ => self.problem(),
+        }
+    }
+
     fn problem(&self) -> Option<String> {
         match self.parsed {
             None => Some(format!(
@@ -406,6 +428,9 @@ fn default_fast_layer_budget() -> HumanDuration {
 fn default_max_stored_body_bytes() -> usize {
     DEFAULT_MAX_STORED_BODY_BYTES
 }
+fn default_tombstone() -> HumanDuration {
+    DEFAULT_TOMBSTONE.into()
+}
 fn default_pool_size() -> u32 {
     DEFAULT_POOL_SIZE
 }
@@ -461,6 +486,7 @@ impl Default for StoreConfig {
             timeout: default_store_timeout(),
             sweep_interval: default_sweep_interval(),
             archive: false,
+            tombstone: default_tombstone(),
             fast_layer_budget: default_fast_layer_budget(),
             max_stored_body_bytes: default_max_stored_body_bytes(),
             pool_size: default_pool_size(),
@@ -580,9 +606,25 @@ impl Config {
     }
 }
 
+impl UpstreamConfig {
+    /// How long an uncertain outcome holds its key: `uncertain_hold`, or
+    /// the upstream's timeout (the gateway gave up waiting that long; the
+    /// upstream usually did not).
+    pub fn uncertain_hold(&self) -> Duration {
+        self.uncertain_hold
+            .as_ref()
+            .map_or_else(|| self.timeout.get(), HumanDuration::get)
+    }
+}
+
 impl RouteConfig {
     /// The policy this route runs under.
     pub fn idempotency(&self) -> Idempotency {
         self.idempotency.unwrap_or_default()
+    }
+
+    /// Whether requests on it are claimed (key, token or callback).
+    pub fn is_protected(&self) -> bool {
+        self.kind == RouteKind::Callback || self.idempotency() != Idempotency::None
     }
 }

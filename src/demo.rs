@@ -99,13 +99,19 @@ Try it (another terminal):
   curl -s -i -X POST {g}/callbacks/payment -d "{{\"trade_no\":\"T-1\",\"order_id\":\"$ORDER\"}}"
   curl -s -i -X POST {g}/callbacks/payment -d "{{\"trade_no\":\"T-1\",\"order_id\":\"$ORDER\"}}"
 
-  # 6. What really executed upstream: each action once
+  # 6. The lost ACK: the charge commits, then the connection drops (502).
+  #    The retry is answered from the upstream's status endpoint
+  #    (reconcile_path), replayed, not executed a second time
+  curl -s -i -X POST {g}/actions/charge -H 'Idempotency-Key: charge-7' -H 'X-Demo-Drop: after' -d '{{"amount":5}}'
+  curl -s -i -X POST {g}/actions/charge -H 'Idempotency-Key: charge-7' -d '{{"amount":5}}'
+
+  # 7. What really executed upstream: each action once
   curl -s http://{upstream}/stats
 
   # Reads pass straight through
   curl -s {g}/orders/ord_unknown
 
-  # 7. With RabbitMQ on 127.0.0.1:5672 (consumers: {consumers}):
+  # 8. With RabbitMQ on 127.0.0.1:5672 (consumers: {consumers}):
   #    the same message published three times, executed once
   #    (rabbitmqadmin needs: rabbitmq-plugins enable rabbitmq_management)
   rabbitmqadmin declare queue name=coupon.events durable=true

@@ -16,9 +16,9 @@ use tower::Layer;
 
 use crate::callback::{CallbackPolicy, KeySource, Verifier};
 use crate::config::{Config, Idempotency, PathMatch, RouteKind, RouteMatcher};
-use crate::idempotency::{Engine, EngineSettings, Holders, IdempotencyLayer, KeyPolicy};
+use crate::idempotency::{Engine, EngineSettings, Holders, IdempotencyLayer, KeyPolicy, Reconcile};
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, Upstream};
+use crate::proxy::{Proxy, StatusEndpoint, Upstream};
 use crate::router::{Route, RouteService, Router, TowerHandler};
 use crate::server::{self, ConnLimits, PeerService, ShutdownTrigger};
 use crate::store::Store;
@@ -476,6 +476,11 @@ fn build_consumers(
                 // consumer acknowledges every replay.
                 on_concurrent: crate::config::OnConcurrent::Reject,
                 wait_limit: upstream.timeout,
+                uncertain_hold: config
+                    .upstream(&c.upstream)
+                    .map(|u| u.uncertain_hold())
+                    .unwrap_or(upstream.timeout),
+                reconcile: None,
             },
             shared.metrics.clone(),
             shared.holders.clone(),
@@ -544,6 +549,11 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
             config.server.max_body_bytes,
             metrics.upstream(&r.upstream),
         );
+        let upstream_config = config.upstream(&r.upstream);
+        let reconcile = r
+            .reconcile_path
+            .as_deref()
+            .map(|path| Arc::new(StatusEndpoint::new(proxy.clone(), path)) as Arc<dyn Reconcile>);
         let engine = Engine::new(
             store.clone(),
             EngineSettings {
@@ -553,10 +563,11 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
                 body_read_timeout: config.server.body_read_timeout.get(),
                 max_stored_body_bytes: config.store.max_stored_body_bytes,
                 on_concurrent: r.on_concurrent,
-                wait_limit: config
-                    .upstream(&r.upstream)
-                    .map(|u| u.timeout.get())
+                wait_limit: upstream_config.map(|u| u.timeout.get()).unwrap_or_default(),
+                uncertain_hold: upstream_config
+                    .map(|u| u.uncertain_hold())
                     .unwrap_or_default(),
+                reconcile,
             },
             metrics.clone(),
             shared.holders.clone(),

@@ -217,6 +217,10 @@ impl Idempotency {
                 max_stored_body_bytes: s.store.max_stored_body_bytes,
                 on_concurrent: crate::config::OnConcurrent::Reject,
                 wait_limit: s.handler_deadline,
+                // The handler runs in process: past its deadline its future
+                // is dropped, but it may have spawned work; hold as long.
+                uncertain_hold: s.handler_deadline,
+                reconcile: None,
             },
             self.inner.metrics.clone(),
             self.inner.holders.clone(),

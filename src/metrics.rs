@@ -56,6 +56,31 @@ impl Outcome {
     }
 }
 
+/// What ended a waiting duplicate's wait (`by` label of
+/// `idemgate_waiter_wakeups_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WakeUp {
+    /// The holder in this process published its outcome.
+    Holder,
+    /// The store announced that the record settled on another instance.
+    Announcement,
+    /// The safety poll: no word in time (a lost announcement costs this).
+    Poll,
+}
+
+const WAKE_UPS: [WakeUp; 3] = [WakeUp::Holder, WakeUp::Announcement, WakeUp::Poll];
+
+impl WakeUp {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WakeUp::Holder => "holder",
+            WakeUp::Announcement => "announcement",
+            WakeUp::Poll => "poll",
+        }
+    }
+}
+
 /// The fast layers a request can fall back from (`layer` label).
 #[derive(Debug, Clone, Copy)]
 pub enum FallbackLayer {
@@ -226,6 +251,7 @@ pub struct Metrics {
     pub claims_in_flight: AtomicU64,
     /// Latency of store operations as the engine sees them.
     pub store_latency: Histogram,
+    wake_ups: [AtomicU64; WAKE_UPS.len()],
     /// Open client connections per worker thread (set once at start).
     workers: std::sync::OnceLock<Arc<dyn WorkerConnections>>,
 }
@@ -283,6 +309,16 @@ impl Metrics {
             FallbackLayer::Memory => &self.fallback_memory,
         }
         .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one waiting duplicate's wake-up.
+    pub fn woken(&self, by: WakeUp) {
+        self.wake_ups[by as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many waits `by` ended.
+    pub fn wake_ups(&self, by: WakeUp) -> u64 {
+        self.wake_ups[by as usize].load(Ordering::Relaxed)
     }
 
     /// How many requests went down the SQL path because `layer` failed.
@@ -355,6 +391,16 @@ impl Metrics {
                 &mut out,
                 "idemgate_upstream_duration_seconds",
                 &format!("upstream=\"{upstream}\""),
+            );
+        }
+        out.push_str("# HELP idemgate_waiter_wakeups_total What ended the waits of duplicates (on_concurrent = \"wait\").\n");
+        out.push_str("# TYPE idemgate_waiter_wakeups_total counter\n");
+        for by in WAKE_UPS {
+            let _ = writeln!(
+                out,
+                "idemgate_waiter_wakeups_total{{by=\"{}\"}} {}",
+                by.as_str(),
+                self.wake_ups(by)
             );
         }
         out.push_str("# HELP idemgate_claims_in_flight Claims this gateway holds right now.\n");

@@ -163,6 +163,29 @@ async fn a_hundred_concurrent_deliveries_execute_once() {
     stack.shutdown().await;
 }
 
+/// A callback's answers say until when its business key is remembered.
+#[tokio::test]
+async fn callback_answers_say_until_when_the_business_key_is_remembered() {
+    let stack = Stack::start(ROUTES).await;
+    let deliver = || async {
+        stack
+            .http
+            .send(
+                "POST",
+                &stack.url("/mq/push"),
+                &[("x-msg-id", "exp-1"), ("x-topic", "orders")],
+                "",
+            )
+            .await
+    };
+    let first = deliver().await;
+    assert_eq!(first.status, 200);
+    let again = deliver().await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    support::assert_same_expiry(&[&first, &again], Duration::from_secs(86_400));
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn composite_keys_separate_topics() {
     let stack = Stack::start(ROUTES).await;

@@ -534,11 +534,12 @@ async fn sigterm_records_the_outcome_of_a_request_whose_client_hung_up() {
             shutdown_grace = "10s"
             [store]
             database_url = "sqlite://{}/records.db"
-            lease = "2s"
+            lease = "3s"
             timeout = "500ms"
             [[upstreams]]
             name = "demo"
             url = "http://{}"
+            timeout = "2s"
             {ACTIONS}
             "#,
             dir.path().display(),
@@ -572,7 +573,7 @@ async fn sigterm_records_the_outcome_of_a_request_whose_client_hung_up() {
         1
     );
     // Restarted past the old lease: the outcome was recorded before exit.
-    tokio::time::sleep(Duration::from_millis(2200)).await;
+    tokio::time::sleep(Duration::from_millis(3200)).await;
     let mut gateway = support::spawn_gateway(&config);
     support::wait_up(&http, &format!("http://{listen}/")).await;
     let retry = http

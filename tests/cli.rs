@@ -72,6 +72,51 @@ fn check_config_reports_every_problem_and_exits_2() {
     }
 }
 
+/// Durations each fine alone but together unsafe are refused by
+/// `check-config` and by `serve`, naming both keys.
+#[test]
+fn unsafe_timing_is_refused_naming_both_keys() {
+    let file = write_config(
+        r#"
+        [store]
+        retention = "5m"
+        lease = "5s"
+        [tokens]
+        ttl = "10m"
+        [[upstreams]]
+        name = "orders"
+        url = "http://127.0.0.1:9"
+        timeout = "10s"
+        [[routes]]
+        name = "checkout"
+        path = "/checkout"
+        upstream = "orders"
+        idempotency = "token"
+        "#,
+    );
+    for command in ["check-config", "serve"] {
+        let out = idemgate()
+            .args([command, "--config"])
+            .arg(file.path())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{command}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        for expected in [
+            "store.retention",
+            "tokens.ttl",
+            "store.lease",
+            "upstreams[0].timeout",
+            "store.timeout",
+        ] {
+            assert!(
+                stderr.contains(expected),
+                "{command}: missing {expected:?} in:\n{stderr}"
+            );
+        }
+    }
+}
+
 #[test]
 fn unknown_keys_are_refused_with_the_key_name() {
     let file = write_config("[server]\nlisten = \"127.0.0.1:1\"\nport = 3\n");
@@ -348,15 +393,15 @@ fn check_config_shows_each_listener_and_upstream_scheme_and_protocol() {
     assert_eq!(line("public"), "public 127.0.0.1:8443 http HTTP/1.1");
     assert_eq!(
         line("orders"),
-        "orders http://127.0.0.1:9001 http h2c shared -"
+        "orders http://127.0.0.1:9001 http h2c shared 10s / 10s -"
     );
     assert_eq!(
         line("payments"),
-        "payments https://localhost:9443 https HTTP/1.1 no cap system roots"
+        "payments https://localhost:9443 https HTTP/1.1 no cap 10s / 10s system roots"
     );
     assert_eq!(
         line("stock"),
-        "stock http://127.0.0.1:9002 http HTTP/1.1 5 per worker -"
+        "stock http://127.0.0.1:9002 http HTTP/1.1 5 per worker 10s / 10s -"
     );
 }
 

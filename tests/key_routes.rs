@@ -45,6 +45,43 @@ async fn post(stack: &Stack, path: &str, key: &str, body: &str, extra: &[(&str, 
         .await
 }
 
+/// `Idempotency-Expires` on every answer that names the record: the first,
+/// a replay, a mismatch and a duplicate in flight (the default 24 h).
+#[tokio::test]
+async fn every_answer_says_until_when_its_key_is_remembered() {
+    let stack = Stack::start(&key_route("")).await;
+    let slow = {
+        let (http, url) = (stack.http.clone(), stack.url("/actions/slow"));
+        tokio::spawn(async move {
+            http.send(
+                "POST",
+                &url,
+                &[("idempotency-key", "e-1"), ("x-demo-delay-ms", "500")],
+                "{}",
+            )
+            .await
+        })
+    };
+    support::reached(&stack.upstream, 1).await;
+    let in_flight = post(&stack, "/actions/slow", "e-1", "{}", &[]).await;
+    assert_eq!(in_flight.status, 409);
+    let first = slow.await.unwrap();
+    assert_eq!(first.status, 201);
+    let replay = post(&stack, "/actions/slow", "e-1", "{}", &[]).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    let mismatch = post(&stack, "/actions/slow", "e-1", "{\"other\":1}", &[]).await;
+    assert_eq!(mismatch.status, 422);
+    support::assert_same_expiry(
+        &[&first, &in_flight, &replay, &mismatch],
+        Duration::from_secs(86_400),
+    );
+    // A pass-through or refused-before-the-store answer names no record.
+    let bad = post(&stack, "/actions/slow", "", "{}", &[]).await;
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.header("idempotency-expires"), None);
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn first_request_is_forwarded_with_a_stable_key_and_retries_replay() {
     let stack = Stack::start(&key_route("")).await;
@@ -340,9 +377,17 @@ async fn upstream_4xx_is_stored_and_replayed() {
     stack.shutdown().await;
 }
 
+/// How long these tests let an uncertain key wait (the default is the
+/// upstream's timeout).
+const SHORT_HOLD: std::time::Duration = std::time::Duration::from_millis(400);
+
+fn short_hold(config: &mut idemgate::config::Config) {
+    config.upstreams[0].uncertain_hold = Some("300ms".into());
+}
+
 #[tokio::test]
 async fn lost_ack_is_uncertain_and_the_retry_is_decided_by_the_upstream_state() {
-    let stack = Stack::start(&key_route("")).await;
+    let stack = Stack::start_with(&key_route(""), short_hold).await;
     let order = "{\"item\":\"book\",\"amount\":100,\"coupon\":\"SAVE10\"}";
     let lost = post(
         &stack,
@@ -355,6 +400,16 @@ async fn lost_ack_is_uncertain_and_the_retry_is_decided_by_the_upstream_state() 
     assert_eq!(lost.status, 502);
     let record = stack.gateway.store.find("orders", "order-1").await.unwrap();
     assert_eq!(record[0].state, idemgate::store::RecordState::Uncertain);
+    // A copy may still be running upstream: nothing is forwarded within the
+    // hold, and the client is told when to come back.
+    let early = post(&stack, "/orders", "order-1", order, &[]).await;
+    assert_eq!(early.status, 502);
+    assert_eq!(
+        early.problem_type(),
+        "urn:idemgate:problem:outcome-uncertain"
+    );
+    assert_eq!(early.header("retry-after"), Some("1"));
+    tokio::time::sleep(SHORT_HOLD).await;
     // The client retries: forwarded again with the same key; the upstream
     // sees the order exists and answers without deducting again.
     let retry = post(&stack, "/orders", "order-1", order, &[]).await;
@@ -637,7 +692,7 @@ async fn unreachable_store_is_503_and_nothing_is_forwarded() {
 
 #[tokio::test]
 async fn a_response_cut_mid_body_is_uncertain_and_the_retry_is_forwarded() {
-    let stack = Stack::start(&key_route("")).await;
+    let stack = Stack::start_with(&key_route(""), short_hold).await;
     let order = "{\"item\":\"book\",\"amount\":1,\"coupon\":\"CUT\"}";
     let cut = post(
         &stack,
@@ -651,6 +706,7 @@ async fn a_response_cut_mid_body_is_uncertain_and_the_retry_is_forwarded() {
     assert_eq!(cut.problem_type(), "urn:idemgate:problem:upstream-broken");
     let record = stack.gateway.store.find("orders", "cut-1").await.unwrap();
     assert_eq!(record[0].state, idemgate::store::RecordState::Uncertain);
+    tokio::time::sleep(SHORT_HOLD).await;
     let retry = post(&stack, "/orders", "cut-1", order, &[]).await;
     assert_eq!(retry.status, 201);
     assert_eq!(retry.json()["repeat"], true);

@@ -83,12 +83,12 @@ async fn admin_keys_show_and_purge_records() {
     let store = &stack.gateway.store;
     for client in ["Bearer alice", "Bearer bob"] {
         let key = RecordKey::new(client_scope(Some(client.as_bytes())), "orders", "k/1");
-        let Claim::Won { epoch } = store.claim(&key, "fp", "rid").await.unwrap() else {
+        let Claim::Won { epoch, .. } = store.claim(&key, "fp", "rid").await.unwrap() else {
             panic!()
         };
         assert!(
             store
-                .complete(&key, epoch, "fp", &response())
+                .complete(&key, epoch, "fp", &response(), 0)
                 .await
                 .unwrap()
         );
@@ -161,11 +161,12 @@ async fn migrate_keys_and_sweep_commands_work_on_the_embedded_store() {
         url: db.clone(),
         pool_size: 1,
         timeout: Duration::from_secs(2),
+        tombstone: Duration::ZERO,
     })
     .await
     .unwrap();
     let key = RecordKey::new(client_scope(None), "orders", "key-1");
-    let Claim::Won { epoch } = sql
+    let Claim::Won { epoch, .. } = sql
         .claim(
             &key,
             "fp",
@@ -210,12 +211,12 @@ async fn the_sweeper_runs_every_sweep_interval() {
     .await;
     let store = &stack.gateway.store;
     let key = RecordKey::new("s", "orders", "old");
-    let Claim::Won { epoch } = store.claim(&key, "fp", "rid").await.unwrap() else {
+    let Claim::Won { epoch, .. } = store.claim(&key, "fp", "rid").await.unwrap() else {
         panic!()
     };
     assert!(
         store
-            .complete(&key, epoch, "fp", &response())
+            .complete(&key, epoch, "fp", &response(), 0)
             .await
             .unwrap()
     );

@@ -50,7 +50,11 @@ impl Drop for Opened {
     }
 }
 
-async fn sql_store(backend: Backend, test: &str) -> Option<(SqlStore, Option<tempfile::TempDir>)> {
+async fn sql_store(
+    backend: Backend,
+    test: &str,
+    tombstone: Duration,
+) -> Option<(SqlStore, Option<tempfile::TempDir>)> {
     let (url, dir) = match backend {
         Backend::Sqlite | Backend::MemorySqlite => {
             let dir = tempfile::tempdir().unwrap();
@@ -65,6 +69,7 @@ async fn sql_store(backend: Backend, test: &str) -> Option<(SqlStore, Option<tem
         url,
         pool_size: 8,
         timeout: Duration::from_secs(2),
+        tombstone,
     })
     .await
     .unwrap();
@@ -78,7 +83,17 @@ async fn open(
     lease: Duration,
     retention: Duration,
 ) -> Option<Opened> {
-    let (sql, dir) = sql_store(backend, test).await?;
+    open_with_tombstone(backend, test, lease, retention, Duration::ZERO).await
+}
+
+async fn open_with_tombstone(
+    backend: Backend,
+    test: &str,
+    lease: Duration,
+    retention: Duration,
+    tombstone: Duration,
+) -> Option<Opened> {
+    let (sql, dir) = sql_store(backend, test, tombstone).await?;
     let fast: Option<Arc<dyn FastLayer>> = match backend {
         Backend::Sqlite | Backend::Postgres => None,
         Backend::MemorySqlite => Some(Arc::new(MemoryLayer::new(10_000))),
@@ -118,6 +133,22 @@ fn key(k: &str) -> RecordKey {
 
 const LONG: Duration = Duration::from_secs(60);
 
+/// The epoch of a won claim.
+fn won(claim: Claim) -> i64 {
+    match claim {
+        Claim::Won { epoch, .. } => epoch,
+        other => panic!("expected a won claim, got {other:?}"),
+    }
+}
+
+/// The expiry every answer carries.
+fn completed(claim: Claim) -> StoredResponse {
+    match claim {
+        Claim::Completed { response, .. } => response,
+        other => panic!("expected a completed record, got {other:?}"),
+    }
+}
+
 async fn concurrent_claims_have_one_winner(backend: Backend, test: &str) {
     let Some(o) = open(backend, test, LONG, LONG).await else {
         return;
@@ -145,7 +176,7 @@ async fn concurrent_claims_have_one_winner(backend: Backend, test: &str) {
 /// one key, and the database alone decides. A single store's batch writer
 /// serialises its own claims, so it could not show this.
 async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str) {
-    let (sql_a, dir) = match sql_store(backend, test).await {
+    let (sql_a, dir) = match sql_store(backend, test, Duration::ZERO).await {
         Some(s) => s,
         None => return,
     };
@@ -159,6 +190,7 @@ async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str)
         url,
         pool_size: 8,
         timeout: Duration::from_secs(2),
+        tombstone: Duration::ZERO,
     })
     .await
     .unwrap();
@@ -190,27 +222,25 @@ async fn completed_claims_replay_and_mismatch(backend: Backend, test: &str) {
         return;
     };
     let k = key("done");
-    let Claim::Won { epoch } = o.store.claim(&k, "fp", "rid").await.unwrap() else {
-        panic!()
-    };
-    assert_eq!(
+    let epoch = won(o.store.claim(&k, "fp", "rid").await.unwrap());
+    assert!(matches!(
         o.store.claim(&k, "other", "rid2").await.unwrap(),
-        Claim::Mismatch
-    );
+        Claim::Mismatch { .. }
+    ));
     assert!(
         o.store
-            .complete(&k, epoch, "fp", &response("{\"ok\":1}"))
+            .complete(&k, epoch, "fp", &response("{\"ok\":1}"), 0)
             .await
             .unwrap()
     );
     assert_eq!(
-        o.store.claim(&k, "fp", "rid3").await.unwrap(),
-        Claim::Completed(response("{\"ok\":1}"))
+        completed(o.store.claim(&k, "fp", "rid3").await.unwrap()),
+        response("{\"ok\":1}")
     );
-    assert_eq!(
+    assert!(matches!(
         o.store.claim(&k, "other", "rid4").await.unwrap(),
-        Claim::Mismatch
-    );
+        Claim::Mismatch { .. }
+    ));
     // Another client's scope with the same key is a different record.
     let other_client = RecordKey::new("scope-b", "route", "done");
     assert!(matches!(
@@ -230,22 +260,18 @@ async fn expired_lease_is_taken_over_and_the_old_holder_fenced(backend: Backend,
         return;
     };
     let k = key("lease");
-    let Claim::Won { epoch: first } = o.store.claim(&k, "fp", "a").await.unwrap() else {
-        panic!()
-    };
+    let first = won(o.store.claim(&k, "fp", "a").await.unwrap());
     assert!(matches!(
         o.store.claim(&k, "fp", "b").await.unwrap(),
         Claim::InFlight { .. }
     ));
     tokio::time::sleep(Duration::from_millis(350)).await;
-    let Claim::Won { epoch: second } = o.store.claim(&k, "fp", "c").await.unwrap() else {
-        panic!("expired lease not taken over")
-    };
+    let second = won(o.store.claim(&k, "fp", "c").await.unwrap());
     assert!(second > first);
     // The paused first holder wakes up: its writes are refused.
     assert!(
         !o.store
-            .complete(&k, first, "fp", &response("late"))
+            .complete(&k, first, "fp", &response("late"), 0)
             .await
             .unwrap()
     );
@@ -253,13 +279,13 @@ async fn expired_lease_is_taken_over_and_the_old_holder_fenced(backend: Backend,
     assert!(!o.store.renew(&k, first).await.unwrap());
     assert!(
         o.store
-            .complete(&k, second, "fp", &response("new"))
+            .complete(&k, second, "fp", &response("new"), 0)
             .await
             .unwrap()
     );
     assert_eq!(
-        o.store.claim(&k, "fp", "d").await.unwrap(),
-        Claim::Completed(response("new"))
+        completed(o.store.claim(&k, "fp", "d").await.unwrap()),
+        response("new")
     );
 }
 
@@ -268,17 +294,13 @@ async fn released_claims_can_be_claimed_again(backend: Backend, test: &str) {
         return;
     };
     let k = key("release");
-    let Claim::Won { epoch } = o.store.claim(&k, "fp", "a").await.unwrap() else {
-        panic!()
-    };
+    let epoch = won(o.store.claim(&k, "fp", "a").await.unwrap());
     assert!(o.store.release(&k, epoch).await.unwrap());
-    let Claim::Won { epoch: again } = o.store.claim(&k, "fp2", "b").await.unwrap() else {
-        panic!("released key not claimable")
-    };
+    let again = won(o.store.claim(&k, "fp2", "b").await.unwrap());
     assert!(again > epoch);
     assert!(
         !o.store
-            .complete(&k, epoch, "fp", &response("stale"))
+            .complete(&k, epoch, "fp", &response("stale"), 0)
             .await
             .unwrap()
     );
@@ -289,21 +311,22 @@ async fn uncertain_records_are_retried_by_the_same_request_only(backend: Backend
         return;
     };
     let k = key("uncertain");
-    let Claim::Won { epoch } = o.store.claim(&k, "fp", "a").await.unwrap() else {
-        panic!()
-    };
-    assert!(o.store.mark_uncertain(&k, epoch).await.unwrap());
+    let epoch = won(o.store.claim(&k, "fp", "a").await.unwrap());
+    assert!(
+        o.store
+            .mark_uncertain(&k, epoch, Duration::ZERO)
+            .await
+            .unwrap()
+    );
     assert_eq!(
         o.store.get(&k).await.unwrap().unwrap().state,
         RecordState::Uncertain
     );
-    assert_eq!(
+    assert!(matches!(
         o.store.claim(&k, "other", "b").await.unwrap(),
-        Claim::Mismatch
-    );
-    let Claim::Won { epoch: retry } = o.store.claim(&k, "fp", "c").await.unwrap() else {
-        panic!()
-    };
+        Claim::Mismatch { .. }
+    ));
+    let retry = won(o.store.claim(&k, "fp", "c").await.unwrap());
     assert!(retry > epoch);
     // One at a time: while the retry runs, a further retry is in flight.
     assert!(matches!(
@@ -318,12 +341,10 @@ async fn sweep_removes_or_archives_expired_records(backend: Backend, test: &str)
     };
     for i in 0..3 {
         let k = key(&format!("old-{i}"));
-        let Claim::Won { epoch } = o.store.claim(&k, "fp", "r").await.unwrap() else {
-            panic!()
-        };
+        let epoch = won(o.store.claim(&k, "fp", "r").await.unwrap());
         assert!(
             o.store
-                .complete(&k, epoch, "fp", &response("x"))
+                .complete(&k, epoch, "fp", &response("x"), 0)
                 .await
                 .unwrap()
         );
@@ -340,12 +361,10 @@ async fn sweep_removes_or_archives_expired_records(backend: Backend, test: &str)
     assert!(o.store.get(&held).await.unwrap().is_some());
     // Archive mode moves rows instead.
     let k = key("archived");
-    let Claim::Won { epoch } = o.store.claim(&k, "fp", "r").await.unwrap() else {
-        panic!()
-    };
+    let epoch = won(o.store.claim(&k, "fp", "r").await.unwrap());
     assert!(
         o.store
-            .complete(&k, epoch, "fp", &response("x"))
+            .complete(&k, epoch, "fp", &response("x"), 0)
             .await
             .unwrap()
     );
@@ -361,12 +380,10 @@ async fn purge_removes_every_scope(backend: Backend, test: &str) {
     };
     for scope in ["s1", "s2"] {
         let k = RecordKey::new(scope, "route", "purge-me");
-        let Claim::Won { epoch } = o.store.claim(&k, "fp", "r").await.unwrap() else {
-            panic!()
-        };
+        let epoch = won(o.store.claim(&k, "fp", "r").await.unwrap());
         assert!(
             o.store
-                .complete(&k, epoch, "fp", &response("x"))
+                .complete(&k, epoch, "fp", &response("x"), 0)
                 .await
                 .unwrap()
         );
@@ -385,9 +402,7 @@ async fn purge_removes_every_scope(backend: Backend, test: &str) {
         purged(1, 0)
     );
     let k = RecordKey::new("s2", "route", "purge-me");
-    let Claim::Won { epoch: first } = o.store.claim(&k, "fp", "r").await.unwrap() else {
-        panic!("purged key not reusable")
-    };
+    let first = won(o.store.claim(&k, "fp", "r").await.unwrap());
     // A record under a live lease is never purged: a purge must not let a
     // second request run beside the first.
     assert_eq!(
@@ -405,18 +420,220 @@ async fn purge_removes_every_scope(backend: Backend, test: &str) {
         o.store.purge("route", "purge-me", None).await.unwrap(),
         purged(1, 0)
     );
-    let Claim::Won { epoch: second } = o.store.claim(&k, "fp", "r3").await.unwrap() else {
-        panic!()
-    };
+    let second = won(o.store.claim(&k, "fp", "r3").await.unwrap());
     assert!(second > first, "epochs only grow: {first} then {second}");
     assert!(!o.store.release(&k, first).await.unwrap());
-    assert!(!o.store.mark_uncertain(&k, first).await.unwrap());
     assert!(
         !o.store
-            .complete(&k, first, "fp", &response("stale"))
+            .mark_uncertain(&k, first, Duration::ZERO)
             .await
             .unwrap()
     );
+    assert!(
+        !o.store
+            .complete(&k, first, "fp", &response("stale"), 0)
+            .await
+            .unwrap()
+    );
+}
+
+/// An uncertain record is not taken over while its hold runs (a copy may
+/// still be running at the upstream): the same request is told so, with
+/// how long is left, by the database's clock. After the hold the one retry
+/// that takes it over learns that the attempt before it may have acted.
+async fn an_uncertain_record_is_held_then_taken_over_once(backend: Backend, test: &str) {
+    let Some(o) = open(backend, test, LONG, LONG).await else {
+        return;
+    };
+    let k = key("held-uncertain");
+    let epoch = won(o.store.claim(&k, "fp", "a").await.unwrap());
+    assert!(
+        o.store
+            .mark_uncertain(&k, epoch, Duration::from_millis(600))
+            .await
+            .unwrap()
+    );
+    match o.store.claim(&k, "fp", "b").await.unwrap() {
+        Claim::Uncertain {
+            epoch: e,
+            retry_after,
+            ..
+        } => {
+            assert_eq!(e, epoch);
+            assert!(retry_after > Duration::from_millis(300), "{retry_after:?}");
+        }
+        other => panic!("a held uncertain record was {other:?}"),
+    }
+    assert!(matches!(
+        o.store.claim(&k, "other", "c").await.unwrap(),
+        Claim::Mismatch { .. }
+    ));
+    // Nor may an operator purge it while the copy may run: a retry would
+    // then be forwarded beside it.
+    let purged = o
+        .store
+        .purge("route", "held-uncertain", None)
+        .await
+        .unwrap();
+    assert_eq!((purged.removed, purged.held), (0, 1));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let claims = (0..50).map(|_| {
+        let (store, k) = (o.store.clone(), k.clone());
+        tokio::spawn(async move { store.claim(&k, "fp", "d").await.unwrap() })
+    });
+    let answers: Vec<Claim> = futures_util::future::join_all(claims)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let takeovers: Vec<_> = answers
+        .iter()
+        .filter_map(|c| match c {
+            Claim::Won { maybe_ran, .. } => Some(*maybe_ran),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        takeovers,
+        [true],
+        "one takeover, told the last attempt may have run"
+    );
+    // A release is a clean slate: no attempt left that may have acted.
+    let retry = match answers.iter().find(|c| matches!(c, Claim::Won { .. })) {
+        Some(Claim::Won { epoch, .. }) => *epoch,
+        _ => unreachable!(),
+    };
+    assert!(o.store.release(&k, retry).await.unwrap());
+    assert!(matches!(
+        o.store.claim(&k, "fp", "e").await.unwrap(),
+        Claim::Won {
+            maybe_ran: false,
+            ..
+        }
+    ));
+}
+
+/// Reconciliation's answer completes an uncertain record, fenced by that
+/// record's epoch: only the uncertain attempt it describes.
+async fn a_reconciled_answer_completes_only_its_uncertain_record(backend: Backend, test: &str) {
+    let Some(o) = open(backend, test, LONG, LONG).await else {
+        return;
+    };
+    let k = key("reconciled");
+    let epoch = won(o.store.claim(&k, "fp", "a").await.unwrap());
+    // Not uncertain yet: refused.
+    assert!(
+        !o.store
+            .complete_reconciled(&k, epoch, "fp", &response("ran"), 0)
+            .await
+            .unwrap()
+    );
+    assert!(o.store.mark_uncertain(&k, epoch, LONG).await.unwrap());
+    assert!(
+        !o.store
+            .complete_reconciled(&k, epoch + 1, "fp", &response("ran"), 0)
+            .await
+            .unwrap()
+    );
+    assert!(
+        o.store
+            .complete_reconciled(&k, epoch, "fp", &response("ran"), 0)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        completed(o.store.claim(&k, "fp", "b").await.unwrap()),
+        response("ran")
+    );
+}
+
+/// Every answer names the record's expiry: its claim plus the retention,
+/// by the database's clock, the same on the claim and on every replay.
+async fn every_answer_carries_the_records_expiry(backend: Backend, test: &str) {
+    let retention = Duration::from_secs(3600);
+    let Some(o) = open(backend, test, LONG, retention).await else {
+        return;
+    };
+    let k = key("expiry");
+    let before = idemgate::store::now_ms();
+    let (epoch, expires) = match o.store.claim(&k, "fp", "a").await.unwrap() {
+        Claim::Won {
+            epoch,
+            expires_at_ms,
+            ..
+        } => (epoch, expires_at_ms),
+        other => panic!("{other:?}"),
+    };
+    let expected = before + retention.as_millis() as i64;
+    assert!(
+        (expires - expected).abs() < 5_000,
+        "{expires} vs {expected}"
+    );
+    let in_flight = o.store.claim(&k, "fp", "b").await.unwrap();
+    assert!(matches!(in_flight, Claim::InFlight { .. }));
+    assert!((in_flight.expires_at_ms() - expires).abs() < 5_000);
+    assert!(
+        o.store
+            .complete(&k, epoch, "fp", &response("x"), expires)
+            .await
+            .unwrap()
+    );
+    for _ in 0..2 {
+        // Once from SQL, once from the fast layer it re-cached.
+        let replay = o.store.claim(&k, "fp", "c").await.unwrap();
+        assert_eq!(replay.expires_at_ms(), expires, "{replay:?}");
+        let mismatch = o.store.claim(&k, "other", "d").await.unwrap();
+        assert_eq!(mismatch.expires_at_ms(), expires, "{mismatch:?}");
+    }
+}
+
+/// `store.tombstone`: after the retention the same request is told the key
+/// expired (never executed again) and another request is a mismatch, even
+/// once the sweep has dropped the stored answer; after the tombstone the
+/// sweep forgets the record and the key is new.
+async fn a_tombstone_outlives_the_retention_then_is_swept(backend: Backend, test: &str) {
+    let retention = Duration::from_millis(300);
+    let tombstone = Duration::from_millis(1500);
+    let Some(o) = open_with_tombstone(backend, test, LONG, retention, tombstone).await else {
+        return;
+    };
+    let k = key("tomb");
+    let epoch = won(o.store.claim(&k, "fp", "a").await.unwrap());
+    assert!(
+        o.store
+            .complete(&k, epoch, "fp", &response("done"), 0)
+            .await
+            .unwrap()
+    );
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert!(matches!(
+        o.store.claim(&k, "fp", "b").await.unwrap(),
+        Claim::Expired { .. }
+    ));
+    assert!(matches!(
+        o.store.claim(&k, "other", "c").await.unwrap(),
+        Claim::Mismatch { .. }
+    ));
+    // The sweep keeps the tombstone and drops its answer.
+    assert_eq!(sweep::sweep_once(o.store.sql(), false).await.unwrap(), 0);
+    let record = o.store.get(&k).await.unwrap().expect("tombstone kept");
+    assert_eq!(record.describe()["phase"], "tombstone");
+    let kept = record.response.expect("its status stays");
+    assert!(kept.body.is_empty() && kept.headers.is_empty(), "{kept:?}");
+    assert!(matches!(
+        o.store.claim(&k, "fp", "d").await.unwrap(),
+        Claim::Expired { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(sweep::sweep_once(o.store.sql(), false).await.unwrap(), 1);
+    assert!(o.store.get(&k).await.unwrap().is_none());
+    assert!(matches!(
+        o.store.claim(&k, "fp", "e").await.unwrap(),
+        Claim::Won {
+            maybe_ran: false,
+            ..
+        }
+    ));
 }
 
 macro_rules! conformance {
@@ -437,4 +654,8 @@ conformance!(
     uncertain_records_are_retried_by_the_same_request_only,
     sweep_removes_or_archives_expired_records,
     purge_removes_every_scope,
+    an_uncertain_record_is_held_then_taken_over_once,
+    a_reconciled_answer_completes_only_its_uncertain_record,
+    every_answer_carries_the_records_expiry,
+    a_tombstone_outlives_the_retention_then_is_swept,
 );

@@ -23,6 +23,7 @@ async fn redis_store(test: &str) -> Option<(Store, PrivateRedis, Arc<Metrics>)> 
         url,
         pool_size: 8,
         timeout: Duration::from_secs(2),
+        tombstone: Duration::ZERO,
     })
     .await
     .unwrap();
@@ -51,6 +52,7 @@ async fn sql_store(url: String, timeout: Duration) -> Store {
         url,
         pool_size: 4,
         timeout,
+        tombstone: Duration::ZERO,
     })
     .await
     .unwrap();
@@ -163,6 +165,7 @@ async fn poisoned_redis_values_never_override_sql() {
                 body_kept: true,
                 request_id: "x".into(),
             },
+            expires_at_ms: i64::MAX,
         }),
     ] {
         redis::cmd("SET")

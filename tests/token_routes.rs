@@ -91,6 +91,7 @@ async fn first_use_claims_repeat_replays_other_body_is_422() {
     let other = use_token(&stack, "/actions/order", &t, "{\"item\":2}", &[]).await;
     assert_eq!(other.status, 422);
     assert_eq!(stack.upstream.state.executions("order", &forwarded), 1);
+    support::assert_same_expiry(&[&first, &again, &other], Duration::from_secs(86_400));
     stack.shutdown().await;
 }
 

@@ -34,6 +34,13 @@ pub enum SignatureScheme {
     HmacSha256,
 }
 
+impl SignatureScheme {
+    /// Whether the scheme signs a timestamp (and a tolerance applies).
+    pub fn is_timestamped(self) -> bool {
+        !matches!(self, SignatureScheme::HmacSha256)
+    }
+}
+
 impl std::fmt::Display for SignatureScheme {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

@@ -41,8 +41,8 @@ fn print_endpoints(config: &Config) {
     );
     println!();
     println!(
-        "{:<20} {:<34} {:<7} {:<9} {:<16} TLS",
-        "UPSTREAM", "URL", "SCHEME", "PROTOCOL", "CONNECTIONS"
+        "{:<20} {:<34} {:<7} {:<9} {:<16} {:<16} TLS",
+        "UPSTREAM", "URL", "SCHEME", "PROTOCOL", "CONNECTIONS", "TIMEOUT / HOLD"
     );
     for u in &config.upstreams {
         let https = u.url.to_ascii_lowercase().starts_with("https://");
@@ -72,13 +72,21 @@ fn print_endpoints(config: &Config) {
             (false, 0) => "no cap".to_owned(),
             (false, n) => format!("{} per worker", (n / workers).max(1)),
         };
+        // How long an uncertain outcome keeps its key from being
+        // forwarded again (`uncertain_hold`, by default the timeout).
+        let timing = format!(
+            "{} / {}",
+            humantime::format_duration(u.timeout.get()),
+            humantime::format_duration(u.uncertain_hold())
+        );
         println!(
-            "{:<20} {:<34} {:<7} {:<9} {:<16} {tls}",
+            "{:<20} {:<34} {:<7} {:<9} {:<16} {:<16} {tls}",
             u.name,
             u.url,
             if https { "https" } else { "http" },
             protocol,
-            connections
+            connections,
+            timing
         );
     }
     println!();
@@ -105,6 +113,10 @@ fn print_route_table(config: &Config) {
                 format!("business_key {}", r.business_key.join("+"))
             }
             crate::config::RouteKind::Sync => r.idempotency().to_string(),
+        };
+        let policy = match &r.reconcile_path {
+            Some(path) => format!("{policy}; reconcile GET {path}"),
+            None => policy,
         };
         println!(
             "{:<20} {:<10} {:<28} {:<12} {:<9} {}",

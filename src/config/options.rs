@@ -28,6 +28,7 @@ impl StoreConfig {
             timeout: self.timeout.get(),
             lease: self.lease.get(),
             retention: self.retention.get(),
+            tombstone: self.tombstone.get(),
             fast_layer_budget: self.fast_layer_budget.get(),
         }
     }

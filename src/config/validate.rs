@@ -60,6 +60,9 @@ impl Config {
                 add(key.into(), reason);
             }
         }
+        if let Some(reason) = self.store.tombstone.problem_unless_zero() {
+            add("store.tombstone".into(), reason);
+        }
         let lease = self.store.lease.valid();
         let store_timeout = self.store.timeout.valid();
         let budget = self.store.fast_layer_budget.valid();
@@ -154,6 +157,13 @@ impl Config {
             if let Some(reason) = u.timeout.problem() {
                 add(key("timeout"), reason);
             }
+            if let Some(reason) = u
+                .uncertain_hold
+                .as_ref()
+                .and_then(|h| h.problem_unless_zero())
+            {
+                add(key("uncertain_hold"), reason);
+            }
             if u.http2 && u.max_connections > 0 {
                 add(
                     key("max_connections"),
@@ -209,6 +219,11 @@ impl Config {
                 Err(reason) => add(key("path"), reason),
             }
             self.validate_policy(r, &key, &mut add);
+            if let Some(path) = &r.reconcile_path
+                && let Err(reason) = check_reconcile_path(r, path)
+            {
+                add(key("reconcile_path"), reason);
+            }
         }
         for (a, (i, m)) in matchers.iter().enumerate() {
             for (j, other) in matchers.iter().skip(a + 1) {
@@ -262,6 +277,8 @@ impl Config {
             }
         }
 
+        self.check_timing(&mut add);
+
         if problems.is_empty() {
             Ok(())
         } else {
@@ -269,6 +286,122 @@ impl Config {
                 origin: origin.to_owned(),
                 problems,
             })
+        }
+    }
+
+    /// Durations that are each fine but together let a request execute
+    /// twice; every problem names both keys.
+    ///
+    /// - `store.lease` against the longest upstream timeout of a protected
+    ///   route or consumer, plus `store.timeout`: a claim's first lease must
+    ///   outlast its copy at the upstream and the write of its outcome. A
+    ///   lease renewed while the database is away does not grow, so during
+    ///   an outage longer than the lease another instance would take the
+    ///   claim over and forward beside a copy still running.
+    /// - `store.retention` against that timeout plus the lease (a record
+    ///   must outlive its own claim), against `tokens.ttl` (a token still
+    ///   valid after its record expired would execute again), and against
+    ///   each signature `tolerance` (a signed delivery still accepted after
+    ///   its record expired would too).
+    fn check_timing(&self, add: &mut dyn FnMut(String, String)) {
+        let (Some(lease), Some(retention), Some(store_timeout)) = (
+            self.store.lease.valid(),
+            self.store.retention.valid(),
+            self.store.timeout.valid(),
+        ) else {
+            return;
+        };
+        let protected = self
+            .routes
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.is_protected())
+            .map(|(i, r)| (format!("routes[{i}] ({:?})", r.name), &r.upstream));
+        let consumers = self
+            .consumers
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (format!("consumers[{i}] ({:?})", c.name), &c.upstream));
+        let longest = protected
+            .chain(consumers)
+            .filter_map(|(who, upstream)| {
+                let (j, u) = self
+                    .upstreams
+                    .iter()
+                    .enumerate()
+                    .find(|(_, u)| &u.name == upstream)?;
+                Some((u.timeout.valid()?, who, j))
+            })
+            .max_by_key(|(timeout, ..)| *timeout);
+        if let Some((timeout, who, j)) = longest {
+            let needed = timeout + store_timeout;
+            if lease < needed {
+                add(
+                    "store.lease".into(),
+                    format!(
+                        "{:?} is shorter than upstreams[{j}].timeout ({}) of {who} plus \
+                         store.timeout ({}): a claim's lease must outlast its copy at the upstream \
+                         and the write of its outcome, or during a database outage longer than the \
+                         lease another instance takes the claim over and forwards the request beside \
+                         a copy that may still be running; set store.lease to at least {}",
+                        self.store.lease.raw,
+                        fmt(timeout),
+                        fmt(store_timeout),
+                        fmt(needed)
+                    ),
+                );
+            }
+            if retention < timeout + lease {
+                add(
+                    "store.retention".into(),
+                    format!(
+                        "{:?} is shorter than upstreams[{j}].timeout ({}) of {who} plus store.lease \
+                         ({}): a record could expire while its own claim is still running, and a retry \
+                         would then execute again; set store.retention to at least {}",
+                        self.store.retention.raw,
+                        fmt(timeout),
+                        fmt(lease),
+                        fmt(timeout + lease)
+                    ),
+                );
+            }
+        }
+        let token_routes = self
+            .routes
+            .iter()
+            .any(|r| r.kind == RouteKind::Sync && r.idempotency() == Idempotency::Token);
+        if token_routes
+            && let Some(ttl) = self.tokens.ttl.valid()
+            && retention < ttl
+        {
+            add(
+                "store.retention".into(),
+                format!(
+                    "{:?} is shorter than tokens.ttl ({:?}): a token used early in its life would \
+                     still be valid after its record expired, and the same one-time token would \
+                     execute a second time; set store.retention to at least tokens.ttl",
+                    self.store.retention.raw, self.tokens.ttl.raw
+                ),
+            );
+        }
+        for (i, r) in self.routes.iter().enumerate() {
+            let Some(sig) = &r.signature else { continue };
+            if !sig.scheme.is_timestamped() {
+                continue;
+            }
+            if let Some(tolerance) = sig.tolerance.valid()
+                && retention < tolerance
+            {
+                add(
+                    "store.retention".into(),
+                    format!(
+                        "{:?} is shorter than routes[{i}].signature.tolerance ({:?}): a captured \
+                         delivery replayed after its record expired would still pass the signature \
+                         check and execute again; set store.retention to at least the tolerance",
+                        self.store.retention.raw, sig.tolerance.raw
+                    ),
+                );
+            }
         }
     }
 
@@ -394,6 +527,32 @@ impl Config {
         }
         warnings
     }
+}
+
+/// A duration as the messages print it.
+fn fmt(d: std::time::Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+/// `reconcile_path`: a protected route's, a path with `{key}` once.
+fn check_reconcile_path(r: &RouteConfig, path: &str) -> Result<(), String> {
+    if !r.is_protected() {
+        return Err(
+            "only a protected route (idempotency = \"key\" or \"token\", or a callback) has \
+             records to reconcile"
+                .into(),
+        );
+    }
+    let placeholder = crate::proxy::KEY_PLACEHOLDER;
+    if !path.starts_with('/') || path.matches(placeholder).count() != 1 {
+        return Err(format!(
+            "{path:?} must be a path with {placeholder} exactly once, e.g. \"/payments/by-key/{placeholder}\""
+        ));
+    }
+    path.replace(placeholder, "ig-0")
+        .parse::<http::uri::PathAndQuery>()
+        .map(|_| ())
+        .map_err(|e| format!("{path:?} is not a path: {e}"))
 }
 
 fn check_upstream_url(raw: &str) -> Result<(), String> {
@@ -857,5 +1016,115 @@ mod tests {
             }
         }
         assert!(Config::parse(MINIMAL, "t").unwrap().warnings().is_empty());
+    }
+
+    /// A protected route over `timeout`, with `store` keys.
+    fn timed(store: &str, timeout: &str, extra: &str) -> String {
+        format!(
+            r#"
+            [store]
+            {store}
+            [tokens]
+            ttl = "10m"
+            [[upstreams]]
+            name = "orders"
+            url = "http://127.0.0.1:9001"
+            timeout = "{timeout}"
+            [[routes]]
+            name = "pay"
+            path = "/pay"
+            upstream = "orders"
+            idempotency = "token"
+            {extra}
+            "#
+        )
+    }
+
+    #[test]
+    fn a_lease_that_ends_before_its_copy_at_the_upstream_is_refused() {
+        // 20 s upstream + 2 s store timeout > the 10 s lease.
+        let problems = problems_of(&timed(r#"lease = "10s""#, "20s", ""));
+        let reasons = reasons_for(&problems, "store.lease");
+        assert_eq!(reasons.len(), 1, "{problems:?}");
+        for named in ["upstreams[0].timeout", "store.timeout", "routes[0]", "22s"] {
+            assert!(
+                reasons[0].contains(named),
+                "missing {named} in {}",
+                reasons[0]
+            );
+        }
+        assert!(problems_of(&timed(r#"lease = "22s""#, "20s", "")).is_empty());
+        // A pass-through route over a slow upstream claims nothing.
+        let text = timed(r#"lease = "10s""#, "20s", "").replace(r#"idempotency = "token""#, "");
+        assert!(problems_of(&text).is_empty());
+    }
+
+    #[test]
+    fn a_retention_shorter_than_what_can_still_use_a_key_is_refused() {
+        let problems = problems_of(&timed(r#"retention = "5m""#, "10s", ""));
+        let reasons = reasons_for(&problems, "store.retention");
+        assert_eq!(reasons.len(), 1, "{problems:?}");
+        assert!(reasons[0].contains("tokens.ttl"), "{}", reasons[0]);
+        // Shorter than the upstream timeout plus the lease.
+        let problems = problems_of(&timed(r#"retention = "30s""#, "10s", "").replace("10m", "10s"));
+        let reasons = reasons_for(&problems, "store.retention");
+        assert!(
+            reasons
+                .iter()
+                .any(|r| r.contains("store.lease") && r.contains("upstreams[0].timeout")),
+            "{problems:?}"
+        );
+        // Shorter than a signature tolerance.
+        let text = r#"
+            [store]
+            retention = "2m"
+            [[upstreams]]
+            name = "orders"
+            url = "http://127.0.0.1:9001"
+            [[routes]]
+            name = "hook"
+            kind = "callback"
+            path = "/hook"
+            upstream = "orders"
+            business_key = ["json:/id"]
+            [routes.signature]
+            scheme = "stripe"
+            secrets = ["whsec_x"]
+            tolerance = "5m"
+            "#;
+        let problems = problems_of(text);
+        let reasons = reasons_for(&problems, "store.retention");
+        assert!(
+            reasons
+                .iter()
+                .any(|r| r.contains("routes[0].signature.tolerance")),
+            "{problems:?}"
+        );
+    }
+
+    #[test]
+    fn reconcile_paths_and_tombstones_are_checked() {
+        let ok = timed(
+            r#"tombstone = "7d""#,
+            "10s",
+            r#"reconcile_path = "/pay/by-key/{key}""#,
+        );
+        assert!(problems_of(&ok).is_empty(), "{:?}", problems_of(&ok));
+        for bad in ["/pay/by-key", "pay/{key}", "/a/{key}/{key}"] {
+            let text = timed("", "10s", &format!("reconcile_path = {bad:?}"));
+            assert_eq!(
+                reasons_for(&problems_of(&text), "routes[0].reconcile_path").len(),
+                1,
+                "{bad}"
+            );
+        }
+        let text = timed("", "10s", r#"reconcile_path = "/x/{key}""#)
+            .replace(r#"idempotency = "token""#, "");
+        assert_eq!(
+            reasons_for(&problems_of(&text), "routes[0].reconcile_path").len(),
+            1
+        );
+        let text = timed(r#"tombstone = "soon""#, "10s", "");
+        assert_eq!(reasons_for(&problems_of(&text), "store.tombstone").len(), 1);
     }
 }

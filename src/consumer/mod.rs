@@ -363,6 +363,9 @@ impl Deliverer {
             Some("body-too-large") => {
                 return Verdict::DeadLetter("the message is over server.max_body_bytes".into());
             }
+            // Redelivered after its record's retention, within its
+            // tombstone: it was handled long ago; never executed again.
+            Some("idempotency-key-expired") => return Verdict::Ack(MessageOutcome::Duplicate),
             _ => {}
         }
         if crate::idempotency::engine::is_stored(status) {

@@ -58,6 +58,9 @@ pub(super) fn router(state: Arc<DemoState>) -> axum::Router {
     axum::Router::new()
         .merge(business)
         .route("/stats", get(stats))
+        // Outside the fault switches: armed faults are for the business
+        // requests a retry repeats, not for the gateway's question.
+        .route("/actions/by-key/{key}", get(action_status))
         .route("/reset", post(reset))
         .route("/faults", post(arm_faults).delete(clear_faults))
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
@@ -66,8 +69,9 @@ pub(super) fn router(state: Arc<DemoState>) -> axum::Router {
 
 async fn apply_faults(State(state): AppState, req: Request, next: Next) -> Response {
     state.count_request();
-    // Counts this request as running until its whole body has gone out.
-    let running = state.clone().start_running();
+    // Counts this request as running until its whole body has gone out,
+    // and as one copy of its request (by `Idempotency-Key`).
+    let running = state.clone().start_running(idempotency_key(req.headers()));
     let armed = state
         .faults
         .lock()
@@ -265,6 +269,7 @@ async fn action(
         "execution_id": uuid::Uuid::now_v7().to_string(),
         "body_bytes": body.len(),
     });
+    state.remember_answer(&key, body.clone());
     let mut response = (
         StatusCode::CREATED,
         [("x-demo-execution", execution.to_string())],
@@ -289,6 +294,35 @@ async fn action(
         *response.body_mut() = Body::from(vec![b'z'; n]);
     }
     response
+}
+
+/// `GET /actions/by-key/{key}`: whether an action ran under this
+/// `Idempotency-Key` — `200` with its answer, or `404`. The status endpoint
+/// a gateway asks before it forwards an uncertain request again
+/// (`reconcile_path = "/actions/by-key/{key}"`).
+///
+/// `?status=503` answers that status instead (a broken status endpoint).
+async fn action_status(
+    State(state): AppState,
+    Path(key): Path<String>,
+    Query(forced): Query<ForcedStatus>,
+) -> Response {
+    if let Some(status) = forced.status.and_then(|s| StatusCode::from_u16(s).ok()) {
+        return (status, Json(json!({"error": "demo fault: status forced"}))).into_response();
+    }
+    match state.answer_for(&key) {
+        Some(answer) => (StatusCode::OK, Json(answer)).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no action ran under this key"})),
+        )
+            .into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+struct ForcedStatus {
+    status: Option<u16>,
 }
 
 /// An MQ consumer endpoint that is *not* idempotent on its own: every

@@ -23,14 +23,31 @@ pub struct DemoState {
     running: AtomicU64,
     peak_running: AtomicU64,
     http2_requests: AtomicU64,
+    /// Copies of one request running at once, by its `Idempotency-Key`.
+    copies: Mutex<Copies>,
+}
+
+#[derive(Default)]
+struct Copies {
+    running: HashMap<String, u64>,
+    peak: u64,
 }
 
 /// A business request being served; dropped when its body has gone out.
-pub(super) struct Running(std::sync::Arc<DemoState>);
+pub(super) struct Running(std::sync::Arc<DemoState>, Option<String>);
 
 impl Drop for Running {
     fn drop(&mut self) {
         self.0.running.fetch_sub(1, Ordering::SeqCst);
+        if let Some(key) = self.1.take() {
+            let mut copies = self.0.copies.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = copies.running.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    copies.running.remove(&key);
+                }
+            }
+        }
     }
 }
 
@@ -40,6 +57,9 @@ struct Business {
     orders_by_key: HashMap<String, String>,
     used_coupons: HashMap<String, String>,
     executions: BTreeMap<String, BTreeMap<String, u64>>,
+    /// The answer of the last `/actions/{name}` executed under a key, for
+    /// the status endpoint (reconciliation).
+    answers: HashMap<String, serde_json::Value>,
 }
 
 /// An order and where it stands.
@@ -67,6 +87,10 @@ pub struct Stats {
     /// Requests that arrived over HTTP/2.
     #[serde(default)]
     pub http2_requests: u64,
+    /// Most copies of one request (one `Idempotency-Key`) ever served at
+    /// once: above 1, a duplicate ran beside its first copy.
+    #[serde(default)]
+    pub peak_copies: u64,
 }
 
 /// The answer of a state transition.
@@ -89,10 +113,17 @@ impl DemoState {
         self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(super) fn start_running(self: std::sync::Arc<Self>) -> Running {
+    pub(super) fn start_running(self: std::sync::Arc<Self>, key: Option<&str>) -> Running {
         let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
         self.peak_running.fetch_max(now, Ordering::SeqCst);
-        Running(self)
+        if let Some(key) = key {
+            let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+            let n = copies.running.entry(key.to_owned()).or_default();
+            *n += 1;
+            let n = *n;
+            copies.peak = copies.peak.max(n);
+        }
+        Running(self.clone(), key.map(str::to_owned))
     }
 
     /// How many times `action` executed for `key`.
@@ -114,6 +145,7 @@ impl DemoState {
             requests: self.requests.load(Ordering::Relaxed),
             peak_running: self.peak_running.load(Ordering::SeqCst),
             http2_requests: self.http2_requests.load(Ordering::Relaxed),
+            peak_copies: self.copies.lock().unwrap_or_else(|p| p.into_inner()).peak,
         }
     }
 
@@ -128,12 +160,23 @@ impl DemoState {
         self.requests.store(0, Ordering::Relaxed);
         self.peak_running.store(0, Ordering::SeqCst);
         self.http2_requests.store(0, Ordering::Relaxed);
+        self.copies.lock().unwrap_or_else(|p| p.into_inner()).peak = 0;
     }
 
     /// A non-idempotent action: executes every time; returns the count.
     pub(super) fn execute(&self, action: &str, key: &str) -> u64 {
         let mut business = self.lock();
         record(&mut business, action, key)
+    }
+
+    /// Remembers the answer an action executed under `key` gave.
+    pub(super) fn remember_answer(&self, key: &str, answer: serde_json::Value) {
+        self.lock().answers.insert(key.to_owned(), answer);
+    }
+
+    /// The answer of the last action executed under `key`, if one ran.
+    pub(super) fn answer_for(&self, key: &str) -> Option<serde_json::Value> {
+        self.lock().answers.get(key).cloned()
     }
 
     /// Creates an order (deducting its coupon in the same step), unless the

@@ -17,9 +17,16 @@
 //!    retry is forwarded again — one at a time, with the same key, so the
 //!    upstream's own state check decides.
 //! 5. A duplicate in flight is answered 409, or (`on_concurrent = "wait"`)
-//!    waits for the holder's published outcome — no polling while the holder
-//!    runs in this process; a slow poll of the store covers holders on other
-//!    instances.
+//!    waits for the holder's outcome: published in process when the holder
+//!    runs here, announced through the store (Postgres `NOTIFY`, Redis
+//!    pub/sub) when it runs on another instance, with a slow safety poll for
+//!    an announcement that was lost.
+//! 6. An `uncertain` record is not forwarded again while a copy may still
+//!    be running at the upstream (its hold, by the database's clock): every
+//!    duplicate, on every instance, gets `502 outcome-uncertain` with a
+//!    `Retry-After` until then. After it, the one retry that takes the claim
+//!    over asks the upstream first where the route can
+//!    ([`super::reconcile`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -36,13 +43,15 @@ use tower::{Service, ServiceExt};
 use tokio::sync::oneshot;
 
 use super::body::{BodyError, read_and_fingerprint};
-use super::holder::{Holder, Holders, Outcome as Published};
+use super::expires::set_expires;
+use super::holder::{Claimed, Holder, Holders, Outcome as Published};
 use super::layer::{Head, Policy};
+use super::reconcile::{Reconcile, Reconciled};
 use super::{IDEMPOTENCY_KEY, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 use crate::error::Problem;
 use crate::hop_by_hop::is_hop_by_hop;
 use crate::identity::scope_of;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, WakeUp};
 use crate::request_id::X_REQUEST_ID;
 use crate::store::{Claim, RecordKey, StoreError, StoredResponse};
 
@@ -59,6 +68,12 @@ pub enum IdempotencyError {
     Mismatch,
     #[error("a request with this key is in flight")]
     InFlight { retry_after: Duration },
+    #[error("the first request's outcome is uncertain; a copy may still run upstream")]
+    Uncertain { retry_after: Duration },
+    #[error("the upstream's status endpoint could not say whether the action ran: {0}")]
+    ReconcileFailed(String),
+    #[error("the key's record has expired (tombstone)")]
+    Expired,
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -87,6 +102,12 @@ pub struct EngineSettings {
     pub on_concurrent: OnConcurrent,
     /// How long a waiting duplicate waits (the upstream's timeout).
     pub wait_limit: Duration,
+    /// How long an uncertain outcome keeps the key from being forwarded
+    /// again: a copy may still be running at the upstream.
+    pub uncertain_hold: Duration,
+    /// The upstream's status endpoint, asked before an uncertain action is
+    /// forwarded again.
+    pub reconcile: Option<Arc<dyn Reconcile>>,
 }
 
 /// The shared engine of one route.
@@ -98,13 +119,12 @@ pub struct Engine {
     holders: Arc<Holders>,
 }
 
-/// First poll delay of a duplicate waiting for a holder on another
-/// instance; it doubles up to the maximum.
-const WAIT_POLL_START: Duration = Duration::from_millis(5);
-const WAIT_POLL_MAX: Duration = Duration::from_millis(100);
 /// A duplicate waiting for this process's holder also claims again this
 /// often, in case the outcome arrives another way (a takeover elsewhere).
 const WAIT_SAFETY_POLL: Duration = Duration::from_millis(500);
+/// A duplicate waiting for a holder on another instance claims again this
+/// often even without an announcement (one lost with a dropped listener).
+pub const CROSS_INSTANCE_SAFETY_POLL: Duration = Duration::from_secs(1);
 
 impl Engine {
     /// An engine for one route. `holders` is the process's list of live
@@ -157,12 +177,12 @@ impl Engine {
         let (bytes, fingerprint) = match tokio::time::timeout(deadline, read).await {
             Ok(Ok(read)) => read,
             Ok(Err(BodyError::TooLarge { limit })) => {
-                return self.refuse::<P>(IdempotencyError::BodyTooLarge { limit }, None);
+                return self.refusal::<P>(IdempotencyError::BodyTooLarge { limit }, None);
             }
             Ok(Err(BodyError::Broken(e))) => {
-                return self.refuse::<P>(IdempotencyError::BadBody(e), None);
+                return self.refusal::<P>(IdempotencyError::BadBody(e), None);
             }
-            Err(_) => return self.refuse::<P>(IdempotencyError::BodyTimeout(deadline), None),
+            Err(_) => return self.refusal::<P>(IdempotencyError::BodyTimeout(deadline), None),
         };
         let (key, replay_only) = match head {
             Keyed::Key(key) => (key, None),
@@ -222,7 +242,8 @@ impl Engine {
     {
         let ticket = Arc::new(ticket);
         let until = Instant::now() + self.settings.wait_limit;
-        let mut pause = WAIT_POLL_START;
+        // Registered while waiting for a holder on another instance.
+        let mut watch = None;
         loop {
             let (reply, answer) = oneshot::channel();
             tokio::spawn(self.clone().attempt(
@@ -233,15 +254,16 @@ impl Engine {
                 ticket.clone(),
                 reply,
             ));
-            let retry_after = match answer.await {
+            let (retry_after, expires_at_ms) = match answer.await {
                 Ok(Attempt::Answered(response)) => return response,
                 Ok(Attempt::InFlight {
                     retry_after,
+                    expires_at_ms,
                     parts: p,
                     bytes: b,
                 }) => {
                     (parts, bytes) = (p, b);
-                    retry_after
+                    (retry_after, expires_at_ms)
                 }
                 Err(_) => {
                     return Problem::new(
@@ -264,21 +286,16 @@ impl Engine {
                 return self.refuse::<P>(
                     IdempotencyError::InFlight { retry_after },
                     Some(&ticket.key),
+                    expires_at_ms,
                 );
             }
-            match self.wait_turn(&ticket, until, &mut pause).await {
-                Some(Published::Stored(stored)) => return replay(stored),
-                Some(Published::Uncertain) => {
-                    return Problem::new(
-                        StatusCode::BAD_GATEWAY,
-                        "outcome-uncertain",
-                        "The first request with this key reached the upstream, but no answer came back",
-                    )
-                    .detail("retry with the same key: the retry is forwarded with the same key, for the upstream's own check")
-                    .logged(P::LAYER, format!("key {}: waited for an uncertain outcome", ticket.key.escaped()))
-                    .into_response();
+            match self.wait_turn(&ticket, until, &mut watch).await {
+                Some(Published::Stored(stored, expires_at_ms)) => {
+                    return replay(stored, expires_at_ms);
                 }
-                Some(Published::Retry) | None => {}
+                // Released or uncertain: the next claim tells (an uncertain
+                // record answers 502 with its hold, as on any instance).
+                Some(Published::Retry | Published::Uncertain) | None => {}
             }
         }
     }
@@ -308,36 +325,73 @@ impl Engine {
         // have run out while the database was away; a claim now would take
         // the record over and forward the request a second time, while the
         // holder is about to record the first outcome.
-        if self.holders.holds_unrecorded(key, fingerprint) {
+        if let Some(expires_at_ms) = self.holders.holds_unrecorded(key, fingerprint) {
             let _ = reply.send(Attempt::InFlight {
                 retry_after: self.store.settings().lease,
+                expires_at_ms,
                 parts,
                 bytes,
             });
             return;
         }
         let claimed_at = tokio::time::Instant::now();
-        let epoch = match self.store.claim(key, fingerprint, request_id).await {
-            Ok(Claim::Won { epoch }) => epoch,
-            Ok(Claim::InFlight { retry_after }) => {
+        let claimed = match self.store.claim(key, fingerprint, request_id).await {
+            Ok(Claim::Won {
+                epoch,
+                expires_at_ms,
+                maybe_ran,
+            }) => match maybe_ran {
+                true => match self
+                    .reconcile_held::<P>(&ticket, epoch, expires_at_ms)
+                    .await
+                {
+                    Some(answered) => Err(Attempt::Answered(answered)),
+                    None => Ok((epoch, expires_at_ms)),
+                },
+                false => Ok((epoch, expires_at_ms)),
+            },
+            Ok(Claim::InFlight {
+                retry_after,
+                expires_at_ms,
+            }) => {
                 let _ = reply.send(Attempt::InFlight {
                     retry_after,
+                    expires_at_ms,
                     parts,
                     bytes,
                 });
                 return;
             }
-            Ok(Claim::Completed(stored)) => {
-                let _ = reply.send(Attempt::Answered(replay(stored)));
-                return;
-            }
-            Ok(Claim::Mismatch) => {
-                let refused = self.refuse::<P>(IdempotencyError::Mismatch, Some(key));
-                let _ = reply.send(Attempt::Answered(refused));
-                return;
-            }
-            Err(e) => {
-                let _ = reply.send(Attempt::Answered(self.refuse::<P>(e.into(), Some(key))));
+            Ok(Claim::Uncertain {
+                epoch,
+                retry_after,
+                expires_at_ms,
+            }) => Err(Attempt::Answered(
+                self.during_hold::<P>(&ticket, epoch, retry_after, expires_at_ms)
+                    .await,
+            )),
+            Ok(Claim::Completed {
+                response,
+                expires_at_ms,
+            }) => Err(Attempt::Answered(replay(response, expires_at_ms))),
+            Ok(Claim::Mismatch { expires_at_ms }) => Err(Attempt::Answered(self.refuse::<P>(
+                IdempotencyError::Mismatch,
+                Some(key),
+                expires_at_ms,
+            ))),
+            Ok(Claim::Expired { forgotten_at_ms }) => Err(Attempt::Answered(self.refuse::<P>(
+                IdempotencyError::Expired,
+                Some(key),
+                forgotten_at_ms,
+            ))),
+            Err(e) => Err(Attempt::Answered(
+                self.refuse_unrecorded::<P>(e.into(), key),
+            )),
+        };
+        let (epoch, expires_at_ms) = match claimed {
+            Ok(won) => won,
+            Err(attempt) => {
+                let _ = reply.send(attempt);
                 return;
             }
         };
@@ -349,11 +403,15 @@ impl Engine {
         let holder = Holder {
             ledger: self.store.clone(),
             holders: self.holders.clone(),
-            key: key.clone(),
-            fingerprint: fingerprint.clone(),
-            epoch,
+            claim: Claimed {
+                key: key.clone(),
+                epoch,
+                fingerprint: fingerprint.clone(),
+                expires_at_ms,
+            },
             request_id: request_id.clone(),
             deadline: self.settings.wait_limit,
+            uncertain_hold: self.settings.uncertain_hold,
             max_stored_body_bytes: self.settings.max_stored_body_bytes,
             layer: P::LAYER,
             claimed_at,
@@ -368,29 +426,165 @@ impl Engine {
         in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// A won claim over an attempt that may have acted: asks the upstream
+    /// first (where the route can). `None`: forward the request.
+    async fn reconcile_held<P: Policy>(
+        &self,
+        ticket: &Ticket,
+        epoch: i64,
+        expires_at_ms: i64,
+    ) -> Option<Response<Body>> {
+        let reconcile = self.settings.reconcile.as_ref()?;
+        let key = &ticket.key;
+        let asked = reconcile.ask(&stable_key(key), &ticket.request_id).await;
+        match asked {
+            Reconciled::NotRun => {
+                tracing::info!(route = %key.route, key = %key.escaped(), layer = P::LAYER, "reconciliation: the action did not run; forwarding the retry");
+                None
+            }
+            Reconciled::Ran(answer) => {
+                let stored = match self.stored_answer(answer, &ticket.request_id).await {
+                    Ok(stored) => stored,
+                    Err(why) => {
+                        return Some(
+                            self.reconcile_failed::<P>(key, epoch, why, expires_at_ms)
+                                .await,
+                        );
+                    }
+                };
+                let recorded = self
+                    .store
+                    .complete(key, epoch, &ticket.fingerprint, &stored, expires_at_ms)
+                    .await;
+                tracing::info!(route = %key.route, key = %key.escaped(), layer = P::LAYER, recorded = ?recorded.as_ref().ok(), "reconciliation: the action ran; its answer is the outcome");
+                // Not recorded (store away): the claim's lease runs out and
+                // the next retry asks again; the action is not run again.
+                Some(replay(stored, expires_at_ms))
+            }
+            Reconciled::Unknown(why) => Some(
+                self.reconcile_failed::<P>(key, epoch, why, expires_at_ms)
+                    .await,
+            ),
+        }
+    }
+
+    /// The status endpoint proved nothing: the record goes back to
+    /// uncertain, with no hold (the attempt it replaced has had its time);
+    /// the next retry asks again.
+    async fn reconcile_failed<P: Policy>(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        why: String,
+        expires_at_ms: i64,
+    ) -> Response<Body> {
+        let _ = self.store.mark_uncertain(key, epoch, Duration::ZERO).await;
+        self.refuse::<P>(
+            IdempotencyError::ReconcileFailed(why),
+            Some(key),
+            expires_at_ms,
+        )
+    }
+
+    /// A status endpoint's `200`, read whole (bounded by the upstream's
+    /// timeout) as the outcome to store.
+    async fn stored_answer(
+        &self,
+        answer: Response<Body>,
+        request_id: &str,
+    ) -> Result<StoredResponse, String> {
+        let (parts, body) = answer.into_parts();
+        let cap = self.settings.max_stored_body_bytes;
+        let captured =
+            tokio::time::timeout(self.settings.wait_limit, super::body::capture(body, cap))
+                .await
+                .map_err(|_| "the status endpoint's body did not arrive in time".to_owned())?;
+        let body = match captured {
+            super::body::Captured::Whole(bytes) => Some(bytes),
+            super::body::Captured::TooLarge(..) => None,
+            super::body::Captured::Broken(cause) => return Err(cause),
+        };
+        Ok(StoredResponse {
+            status: parts.status.as_u16(),
+            headers: storable_headers(&parts.headers, body.is_some()),
+            body_kept: body.is_some(),
+            body: body.unwrap_or_default(),
+            request_id: request_id.to_owned(),
+        })
+    }
+
+    /// A retry of an uncertain record within its hold: `502` with
+    /// `Retry-After` — unless the upstream's status endpoint says the
+    /// action ran, whose answer is then recorded and replayed at once.
+    async fn during_hold<P: Policy>(
+        &self,
+        ticket: &Ticket,
+        epoch: i64,
+        retry_after: Duration,
+        expires_at_ms: i64,
+    ) -> Response<Body> {
+        let key = &ticket.key;
+        if let Some(reconcile) = &self.settings.reconcile
+            && let Reconciled::Ran(answer) =
+                reconcile.ask(&stable_key(key), &ticket.request_id).await
+            && let Ok(stored) = self.stored_answer(answer, &ticket.request_id).await
+        {
+            let recorded = self
+                .store
+                .complete_reconciled(key, epoch, &ticket.fingerprint, &stored, expires_at_ms)
+                .await;
+            tracing::info!(route = %key.route, key = %key.escaped(), layer = P::LAYER, recorded = ?recorded.as_ref().ok(), "reconciliation: the action ran; its answer is the outcome");
+            return replay(stored, expires_at_ms);
+        }
+        self.refuse::<P>(
+            IdempotencyError::Uncertain { retry_after },
+            Some(key),
+            expires_at_ms,
+        )
+    }
+
     /// A duplicate's wait: for this process's holder of the key to publish
     /// its outcome, or — when the holder runs elsewhere (another instance)
-    /// — a poll interval. `None` means claim again.
+    /// — for the store to announce that the record settled, or at most a
+    /// safety poll. `None` means claim again.
     async fn wait_turn(
         &self,
         ticket: &Ticket,
         until: Instant,
-        pause: &mut Duration,
+        watch: &mut Option<crate::store::settle::Watch>,
     ) -> Option<Published> {
         let Some(mut outcome) = self.holders.subscribe(&ticket.key, &ticket.fingerprint) else {
             // No holder here: it runs on another instance (or has just
-            // finished). Poll the claim, backing off.
-            tokio::time::sleep((*pause).min(until.saturating_duration_since(Instant::now()))).await;
-            *pause = (*pause * 2).min(WAIT_POLL_MAX);
+            // finished). Registered before the flag is set, so that no
+            // announcement falls between the two.
+            let watch = watch.get_or_insert_with(|| self.store.watch(&ticket.key));
+            match self.store.flag_watched(&ticket.key, watch).await {
+                // Settled since the claim: claim again now.
+                Ok(false) => return None,
+                Ok(true) => {}
+                // Flagging failed (store away): the safety poll still runs.
+                Err(e) => {
+                    tracing::debug!(route = %ticket.key.route, key = %ticket.key.escaped(), error = %e, layer = "engine", "flagging a waited-for record failed; polling");
+                }
+            }
+            let safety = (Instant::now() + CROSS_INSTANCE_SAFETY_POLL).min(until);
+            let by = match tokio::time::timeout_at(safety.into(), watch.settled()).await {
+                Ok(()) => WakeUp::Announcement,
+                Err(_) => WakeUp::Poll,
+            };
+            self.metrics.woken(by);
             return None;
         };
         let published = outcome.wait_for(|o| o.is_some());
         let safety = (Instant::now() + WAIT_SAFETY_POLL).min(until);
-        match tokio::time::timeout_at(safety.into(), published).await {
-            Ok(Ok(seen)) => seen.clone(),
-            // The holder is gone (its task ended) or the safety poll is due.
-            Ok(Err(_)) | Err(_) => None,
-        }
+        let (seen, by) = match tokio::time::timeout_at(safety.into(), published).await {
+            Ok(Ok(seen)) => (seen.clone(), WakeUp::Holder),
+            // The holder is gone (its task ended): claim again.
+            Ok(Err(_)) => (None, WakeUp::Holder),
+            Err(_) => (None, WakeUp::Poll),
+        };
+        self.metrics.woken(by);
+        seen
     }
 
     async fn replay_or_refuse<P: Policy>(
@@ -399,21 +593,50 @@ impl Engine {
         fingerprint: &str,
         refusal: Problem,
     ) -> Response<Body> {
-        match self.store.get(key).await {
-            Ok(Some(record)) if record.fingerprint == fingerprint => match record.response {
-                Some(stored) => replay(stored),
-                None => refusal
+        let record = match self.store.get(key).await {
+            Ok(Some(record)) => record,
+            Ok(None) => {
+                return refusal
                     .logged(P::LAYER, "expired token, no stored outcome")
-                    .into_response(),
-            },
-            Ok(_) => refusal
+                    .into_response();
+            }
+            Err(e) => return self.refuse_unrecorded::<P>(e.into(), key),
+        };
+        let past_retention = record.expires_at_ms <= record.read_at_ms;
+        match (record.fingerprint == fingerprint, record.response) {
+            (true, Some(stored)) if !past_retention => replay(stored, record.expires_at_ms),
+            (true, _) if past_retention && record.forgotten_at_ms > record.read_at_ms => {
+                self.refuse::<P>(IdempotencyError::Expired, Some(key), record.forgotten_at_ms)
+            }
+            _ => refusal
                 .logged(P::LAYER, "expired token, no stored outcome")
                 .into_response(),
-            Err(e) => self.refuse::<P>(e.into(), Some(key)),
         }
     }
 
+    /// A refusal that names a record: logged with its key, and saying until
+    /// when the key is remembered.
     fn refuse<P: Policy>(
+        &self,
+        error: IdempotencyError,
+        key: Option<&RecordKey>,
+        expires_at_ms: i64,
+    ) -> Response<Body> {
+        let mut response = self.refusal::<P>(error, key);
+        set_expires(response.headers_mut(), expires_at_ms);
+        response
+    }
+
+    /// A refusal about a record the gateway could not read (store away).
+    fn refuse_unrecorded<P: Policy>(
+        &self,
+        error: IdempotencyError,
+        key: &RecordKey,
+    ) -> Response<Body> {
+        self.refusal::<P>(error, Some(key))
+    }
+
+    fn refusal<P: Policy>(
         &self,
         error: IdempotencyError,
         key: Option<&RecordKey>,
@@ -425,7 +648,10 @@ impl Engine {
         let mut response = problem.into_response();
         let outcome = match error {
             IdempotencyError::Mismatch => Some(Outcome::Mismatch),
-            IdempotencyError::InFlight { .. } => Some(Outcome::Conflict),
+            IdempotencyError::Expired => Some(Outcome::Rejected),
+            IdempotencyError::InFlight { .. } | IdempotencyError::Uncertain { .. } => {
+                Some(Outcome::Conflict)
+            }
             _ => None,
         };
         if let Some(outcome) = outcome {
@@ -458,6 +684,7 @@ enum Attempt {
     /// attempt.
     InFlight {
         retry_after: Duration,
+        expires_at_ms: i64,
         parts: Parts,
         bytes: Bytes,
     },
@@ -480,6 +707,11 @@ where
 pub fn is_stored(status: StatusCode) -> bool {
     let code = status.as_u16();
     (200..500).contains(&code) && !matches!(code, 408 | 409 | 425 | 429)
+}
+
+/// Whole seconds, rounded up, at least one (a `Retry-After`).
+fn secs_up(d: Duration) -> u64 {
+    d.as_secs_f64().ceil().max(1.0) as u64
 }
 
 /// The key forwarded upstream: the same on every retry of one request and
@@ -544,8 +776,8 @@ pub(super) fn storable_headers(
         .collect()
 }
 
-/// The stored outcome as a response.
-pub fn replay(stored: StoredResponse) -> Response<Body> {
+/// The stored outcome as a response, with the record's expiry.
+pub fn replay(stored: StoredResponse, expires_at_ms: i64) -> Response<Body> {
     let mut response = Response::new(Body::from(stored.body));
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     let headers = response.headers_mut();
@@ -566,6 +798,7 @@ pub fn replay(stored: StoredResponse) -> Response<Body> {
     {
         headers.insert(X_REQUEST_ID, id);
     }
+    set_expires(headers, expires_at_ms);
     response.extensions_mut().insert(Outcome::Replayed);
     response
 }
@@ -615,6 +848,31 @@ impl From<&IdempotencyError> for crate::error::Problem {
             // The first request usually finishes in milliseconds; the lease
             // only bounds a crashed holder. Ask for an early retry.
             .retry_after(crate::error::IN_FLIGHT_RETRY_AFTER_SECS),
+            E::Uncertain { retry_after } => crate::error::Problem::new(
+                http::StatusCode::BAD_GATEWAY,
+                "outcome-uncertain",
+                "The first request with this key reached the upstream, but no answer came back",
+            )
+            .detail(format!(
+                "a copy may still be running at the upstream, so nothing is forwarded for {}s more; \
+                 then retry with the same key: the retry is forwarded once, with the same key, \
+                 for the upstream's own check",
+                secs_up(*retry_after)
+            ))
+            .retry_after(secs_up(*retry_after)),
+            E::ReconcileFailed(_) => crate::error::Problem::new(
+                http::StatusCode::BAD_GATEWAY,
+                "reconcile-failed",
+                "The upstream could not say whether the first request's action ran",
+            )
+            .detail("the record stays uncertain and nothing was forwarded; retry with the same key")
+            .retry_after(crate::error::IN_FLIGHT_RETRY_AFTER_SECS),
+            E::Expired => crate::error::Problem::new(
+                http::StatusCode::GONE,
+                "idempotency-key-expired",
+                "This idempotency key's record has expired",
+            )
+            .detail("the request was answered before and its stored answer is no longer kept; it is not executed again — use a new key for a new request"),
             E::Store(store) => crate::error::Problem::from(store),
         }
     }

@@ -29,6 +29,7 @@ use tower::Service;
 
 use super::ForwardFailure;
 use super::body::{Captured, capture, chain};
+use super::expires::set_expires;
 use crate::error::Problem;
 use crate::store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
 
@@ -66,15 +67,27 @@ pub enum Write {
     Complete(StoredResponse),
     /// Nothing happened upstream: the key is free again.
     Release,
-    /// The request may have reached the upstream and no answer came back.
-    Uncertain,
+    /// The request may have reached the upstream and no answer came back;
+    /// a copy may still be running there, so nothing else is forwarded for
+    /// `hold`.
+    Uncertain { hold: Duration },
+}
+
+/// The claim a holder writes for.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub key: RecordKey,
+    pub epoch: i64,
+    pub fingerprint: String,
+    /// The record's expiry (`Idempotency-Expires`).
+    pub expires_at_ms: i64,
 }
 
 /// What a waiting duplicate learns from the holder.
 #[derive(Debug, Clone)]
 pub enum Outcome {
-    /// Replay this.
-    Stored(StoredResponse),
+    /// Replay this, and the record's expiry.
+    Stored(StoredResponse, i64),
     /// The claim was released (nothing happened upstream): claim again.
     Retry,
     /// The request may have reached the upstream and no answer came back:
@@ -98,9 +111,7 @@ pub trait Ledger: Clone + Send + Sync + 'static {
     /// Writes the outcome; false when the fence refused it.
     fn write(
         &self,
-        key: &RecordKey,
-        epoch: i64,
-        fingerprint: &str,
+        claim: &Claimed,
         write: &Write,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
     /// Whether `epoch` already left `in_flight` (an earlier try that timed
@@ -121,17 +132,15 @@ impl Ledger for Store {
         Store::renew(self, key, epoch).await
     }
 
-    async fn write(
-        &self,
-        key: &RecordKey,
-        epoch: i64,
-        fingerprint: &str,
-        write: &Write,
-    ) -> Result<bool, StoreError> {
+    async fn write(&self, claim: &Claimed, write: &Write) -> Result<bool, StoreError> {
+        let (key, epoch) = (&claim.key, claim.epoch);
         match write {
-            Write::Complete(stored) => self.complete(key, epoch, fingerprint, stored).await,
+            Write::Complete(stored) => {
+                self.complete(key, epoch, &claim.fingerprint, stored, claim.expires_at_ms)
+                    .await
+            }
             Write::Release => self.release(key, epoch).await,
-            Write::Uncertain => self.mark_uncertain(key, epoch).await,
+            Write::Uncertain { hold } => self.mark_uncertain(key, epoch, *hold).await,
         }
     }
 
@@ -159,6 +168,7 @@ pub struct Holders {
 struct Live {
     epoch: i64,
     fingerprint: String,
+    expires_at_ms: i64,
     stage: Stage,
     outcome: watch::Sender<Option<Outcome>>,
 }
@@ -170,13 +180,14 @@ impl Holders {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn register(&self, key: &RecordKey, epoch: i64, fingerprint: &str) {
+    fn register(&self, claim: &Claimed) {
         let (outcome, _) = watch::channel(None);
         self.lock().insert(
-            key.clone(),
+            claim.key.clone(),
             Live {
-                epoch,
-                fingerprint: fingerprint.to_owned(),
+                epoch: claim.epoch,
+                fingerprint: claim.fingerprint.clone(),
+                expires_at_ms: claim.expires_at_ms,
                 stage: Stage::Claimed,
                 outcome,
             },
@@ -221,11 +232,13 @@ impl Holders {
     /// Whether this process's holder of `key` for the same request is
     /// still before its record (forwarding, or writing the outcome): a
     /// claim now could take its expired lease over. A holder that has
-    /// recorded (and is about to deregister) is not counted.
-    pub fn holds_unrecorded(&self, key: &RecordKey, fingerprint: &str) -> bool {
+    /// recorded (and is about to deregister) is not counted. With the
+    /// record's expiry.
+    pub fn holds_unrecorded(&self, key: &RecordKey, fingerprint: &str) -> Option<i64> {
         self.lock()
             .get(key)
-            .is_some_and(|l| l.fingerprint == fingerprint && l.stage != Stage::Recorded)
+            .filter(|l| l.fingerprint == fingerprint && l.stage != Stage::Recorded)
+            .map(|l| l.expires_at_ms)
     }
 
     /// How many holders are running.
@@ -266,12 +279,13 @@ impl Holders {
 pub struct Holder<L> {
     pub ledger: L,
     pub holders: Arc<Holders>,
-    pub key: RecordKey,
-    pub fingerprint: String,
-    pub epoch: i64,
+    pub claim: Claimed,
     pub request_id: String,
     /// Bound on receiving the whole response (the upstream's timeout).
     pub deadline: Duration,
+    /// How long an uncertain outcome keeps the key from being forwarded
+    /// again (a copy may still be running at the upstream).
+    pub uncertain_hold: Duration,
     /// Larger response bodies are recorded without the body.
     pub max_stored_body_bytes: usize,
     /// The policy layer's name, for logs.
@@ -294,27 +308,32 @@ impl<L: Ledger> Holder<L> {
         S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
         S::Future: Send,
     {
-        self.holders
-            .register(&self.key, self.epoch, &self.fingerprint);
+        self.holders.register(&self.claim);
         // Deregisters (waking a shutdown that waits) however the task ends.
         let _registered = Registered {
             holders: self.holders.clone(),
-            key: self.key.clone(),
-            epoch: self.epoch,
+            key: self.claim.key.clone(),
+            epoch: self.claim.epoch,
         };
         let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let _renewal = AbortOnDrop(tokio::spawn(renew(
             self.ledger.clone(),
-            self.key.clone(),
-            self.epoch,
+            self.claim.key.clone(),
+            self.claim.epoch,
             self.claimed_at,
             lost.clone(),
         )));
         self.holders
-            .set_stage(&self.key, self.epoch, Stage::Forwarded);
+            .set_stage(&self.claim.key, self.claim.epoch, Stage::Forwarded);
         let received = tokio::time::timeout(
             self.deadline,
-            receive(inner, request, self.max_stored_body_bytes, &self.request_id),
+            receive(
+                inner,
+                request,
+                self.max_stored_body_bytes,
+                &self.request_id,
+                self.uncertain_hold,
+            ),
         )
         .await;
         let (write, response) = received.unwrap_or_else(|_| {
@@ -327,23 +346,34 @@ impl<L: Ledger> Holder<L> {
                 self.layer,
                 format!(
                     "key {}: whole response not received within {:?}",
-                    self.key.escaped(),
+                    self.claim.key.escaped(),
                     self.deadline
                 ),
             );
-            (Write::Uncertain, problem.into_response())
+            let mut response = problem.into_response();
+            set_expires(response.headers_mut(), self.claim.expires_at_ms);
+            (
+                Write::Uncertain {
+                    hold: self.uncertain_hold,
+                },
+                response,
+            )
         });
         self.holders
-            .set_stage(&self.key, self.epoch, Stage::ResponseInHand);
+            .set_stage(&self.claim.key, self.claim.epoch, Stage::ResponseInHand);
         if let Write::Complete(stored) = &write {
             // Waiters replay the outcome the moment it exists.
-            self.holders
-                .publish(&self.key, self.epoch, Outcome::Stored(stored.clone()));
+            self.holders.publish(
+                &self.claim.key,
+                self.claim.epoch,
+                Outcome::Stored(stored.clone(), self.claim.expires_at_ms),
+            );
         }
         // The first write before the answer, so that a client who retries
         // right after its answer finds the outcome recorded.
         let first = self.write_once(&write).await;
         let mut response = response;
+        set_expires(response.headers_mut(), self.claim.expires_at_ms);
         if matches!((&write, &first), (Write::Complete(_), Ok(true))) {
             response.extensions_mut().insert(Recorded);
         }
@@ -352,36 +382,36 @@ impl<L: Ledger> Holder<L> {
             self.write_until_durable(&write, &lost).await;
         }
         self.holders
-            .set_stage(&self.key, self.epoch, Stage::Recorded);
+            .set_stage(&self.claim.key, self.claim.epoch, Stage::Recorded);
         match write {
             Write::Complete(_) => {}
-            Write::Release => self.holders.publish(&self.key, self.epoch, Outcome::Retry),
-            Write::Uncertain => self
-                .holders
-                .publish(&self.key, self.epoch, Outcome::Uncertain),
+            Write::Release => {
+                self.holders
+                    .publish(&self.claim.key, self.claim.epoch, Outcome::Retry)
+            }
+            Write::Uncertain { .. } => {
+                self.holders
+                    .publish(&self.claim.key, self.claim.epoch, Outcome::Uncertain)
+            }
         }
     }
 
     /// One try; `Err` when it should be tried again, `Ok(false)` when the
     /// fence refused it.
     async fn write_once(&self, write: &Write) -> Result<bool, StoreError> {
-        match self
-            .ledger
-            .write(&self.key, self.epoch, &self.fingerprint, write)
-            .await
-        {
+        match self.ledger.write(&self.claim, write).await {
             Ok(true) => Ok(true),
             Ok(false) => {
                 tracing::warn!(
-                    route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
-                    epoch = self.epoch, "outcome refused: the claim was taken over while this request ran"
+                    route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
+                    epoch = self.claim.epoch, "outcome refused: the claim was taken over while this request ran"
                 );
                 Ok(false)
             }
             Err(e) => {
                 tracing::warn!(
-                    route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
-                    epoch = self.epoch, error = %e, "recording the outcome failed; retrying while the claim is held"
+                    route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
+                    epoch = self.claim.epoch, error = %e, "recording the outcome failed; retrying while the claim is held"
                 );
                 Err(e)
             }
@@ -401,20 +431,20 @@ impl<L: Ledger> Holder<L> {
             pause = (pause * 2).min(WRITE_BACKOFF_MAX);
             if lost.load(std::sync::atomic::Ordering::Relaxed) {
                 tracing::error!(
-                    route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
-                    epoch = self.epoch, attempt,
+                    route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
+                    epoch = self.claim.epoch, attempt,
                     "outcome not recorded: the lease was lost while the database was away; the record is taken over and the retry forwarded with the same key"
                 );
                 return;
             }
             // A try that timed out may have committed all the same.
-            if let Ok(true) = self.ledger.settled(&self.key, self.epoch).await {
+            if let Ok(true) = self.ledger.settled(&self.claim.key, self.claim.epoch).await {
                 return;
             }
             if self.write_once(write).await.is_ok() {
                 tracing::info!(
-                    route = %self.key.route, key = %self.key.escaped(), layer = self.layer,
-                    epoch = self.epoch, attempt, "outcome recorded after retrying"
+                    route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
+                    epoch = self.claim.epoch, attempt, "outcome recorded after retrying"
                 );
                 return;
             }
@@ -429,6 +459,7 @@ async fn receive<S>(
     request: Request<Body>,
     cap: usize,
     request_id: &str,
+    hold: Duration,
 ) -> (Write, Response<Body>)
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
@@ -449,12 +480,12 @@ where
                 "holder",
                 "the inner service panicked; the outcome is uncertain",
             );
-            return (Write::Uncertain, problem.into_response());
+            return (Write::Uncertain { hold }, problem.into_response());
         }
     };
     match response.extensions().get::<ForwardFailure>() {
         Some(ForwardFailure::NotSent) => return (Write::Release, response),
-        Some(ForwardFailure::Uncertain) => return (Write::Uncertain, response),
+        Some(ForwardFailure::Uncertain) => return (Write::Uncertain { hold }, response),
         None => {}
     }
     if !super::engine::is_stored(response.status()) {
@@ -473,7 +504,7 @@ where
                 "The upstream connection failed before a complete answer",
             )
             .logged("holder", format!("response body cut: {cause}"));
-            return (Write::Uncertain, problem.into_response());
+            return (Write::Uncertain { hold }, problem.into_response());
         }
     };
     let stored = StoredResponse {
@@ -565,13 +596,7 @@ mod tests {
             Ok(true)
         }
 
-        async fn write(
-            &self,
-            _: &RecordKey,
-            _: i64,
-            _: &str,
-            write: &Write,
-        ) -> Result<bool, StoreError> {
+        async fn write(&self, _: &Claimed, write: &Write) -> Result<bool, StoreError> {
             self.writes
                 .lock()
                 .unwrap()
@@ -599,11 +624,15 @@ mod tests {
         let holder = Holder {
             ledger: script.clone(),
             holders: holders.clone(),
-            key: RecordKey::new("scope", "route", "k"),
-            fingerprint: "fp".into(),
-            epoch: 1,
+            claim: Claimed {
+                key: RecordKey::new("scope", "route", "k"),
+                fingerprint: "fp".into(),
+                epoch: 1,
+                expires_at_ms: 0,
+            },
             request_id: "rid".into(),
             deadline,
+            uncertain_hold: Duration::from_secs(2),
             max_stored_body_bytes: 1024,
             layer: "test",
             claimed_at: Instant::now(),
@@ -678,7 +707,7 @@ mod tests {
     async fn the_whole_response_is_bounded_by_the_deadline_and_then_uncertain() {
         let script = Script::default();
         let (holder, holders) = holder(&script, Duration::from_secs(2));
-        let key = holder.key.clone();
+        let key = holder.claim.key.clone();
         let task = tokio::spawn(run(holder, upstream(201, Duration::from_secs(60))));
         tokio::task::yield_now().await;
         // A waiter learns the outcome is uncertain: it must not be
@@ -690,7 +719,12 @@ mod tests {
         assert_eq!(response.status(), StatusCode::GATEWAY_TIMEOUT);
         let writes = script.writes.lock().unwrap().clone();
         assert_eq!(writes.len(), 1);
-        assert_eq!(writes[0].1, Write::Uncertain);
+        assert_eq!(
+            writes[0].1,
+            Write::Uncertain {
+                hold: Duration::from_secs(2)
+            }
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -730,7 +764,10 @@ mod tests {
         });
         let response = run(holder, panicking).await.unwrap();
         assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
-        assert_eq!(script.writes.lock().unwrap()[0].1, Write::Uncertain);
+        assert!(matches!(
+            script.writes.lock().unwrap()[0].1,
+            Write::Uncertain { .. }
+        ));
         assert!(holders.is_empty());
     }
 
@@ -758,13 +795,13 @@ mod tests {
     async fn waiters_see_the_stored_outcome_and_a_retry_after_a_release() {
         let script = Script::default();
         let (holder, holders) = holder(&script, Duration::from_secs(30));
-        let key = holder.key.clone();
+        let key = holder.claim.key.clone();
         let task = tokio::spawn(run(holder, upstream(201, Duration::from_secs(1))));
         tokio::task::yield_now().await;
         assert!(holders.subscribe(&key, "another request").is_none());
         let mut outcome = holders.subscribe(&key, "fp").expect("registered");
         let seen = outcome.wait_for(|o| o.is_some()).await.unwrap().clone();
-        assert!(matches!(seen, Some(Outcome::Stored(s)) if s.status == 201));
+        assert!(matches!(seen, Some(Outcome::Stored(s, _)) if s.status == 201));
         task.await.unwrap();
 
         let (holder, holders) = self::holder(&script, Duration::from_secs(30));

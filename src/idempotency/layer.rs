@@ -201,6 +201,8 @@ mod tests {
                 max_stored_body_bytes: 1024,
                 on_concurrent,
                 wait_limit: Duration::from_secs(5),
+                uncertain_hold: Duration::from_secs(5),
+                reconcile: None,
             },
             metrics,
             Arc::new(Holders::default()),

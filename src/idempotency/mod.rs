@@ -17,14 +17,17 @@
 
 pub mod body;
 pub mod engine;
+pub mod expires;
 pub mod holder;
 pub mod key;
 pub mod layer;
+pub mod reconcile;
 
 pub use engine::{Engine, EngineSettings, IdempotencyError, OnConcurrent};
 pub use holder::Holders;
 pub use key::KeyPolicy;
 pub use layer::{Head, IdempotencyLayer, IdempotencyService, Policy, ResponseFuture};
+pub use reconcile::{Reconcile, Reconciled};
 
 /// How a forward failed, set by the inner service (the proxy) on its error
 /// response, so that the holder knows what the failure means for a claim.

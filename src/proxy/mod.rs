@@ -18,8 +18,10 @@ mod client;
 mod connect;
 mod headers;
 mod pool;
+mod reconcile;
 mod service;
 
 pub use headers::{ClientAddr, HOP_BY_HOP, is_hop_by_hop};
 pub use pool::{Pool, PoolOptions};
+pub use reconcile::{KEY_PLACEHOLDER, StatusEndpoint};
 pub use service::{ForwardFailure, Proxy, ProxyError, Upstream, UpstreamSpec};

@@ -210,7 +210,7 @@ impl Proxy {
 impl Proxy {
     /// Forwards and answers: a failed forward becomes its problem response,
     /// tagged with how far the request got.
-    async fn answer(self, req: Request<Body>) -> Response<Body> {
+    pub(super) async fn answer(self, req: Request<Body>) -> Response<Body> {
         match self.forward(req).await {
             Ok(response) => response,
             Err(e) => {

@@ -8,18 +8,29 @@ use bytes::Bytes;
 
 use super::{RecordKey, StoredResponse};
 
-const ENTRY_MAGIC: &[u8; 4] = b"IGF1";
+/// Version 2 carries the record's expiry. A version 1 value (an older
+/// gateway beside this one) fails to decode and sends the request to SQL.
+const ENTRY_MAGIC: &[u8; 4] = b"IGF2";
 
 /// What a fast-layer key holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FastEntry {
     /// A claim is running; duplicates are turned away.
-    InFlight { key: RecordKey, fingerprint: String },
+    InFlight {
+        key: RecordKey,
+        fingerprint: String,
+        /// The record's expiry as the marker's writer estimated it (its
+        /// clock plus the retention): the marker is placed before the SQL
+        /// claim that fixes the real one.
+        expires_at_ms: i64,
+    },
     /// The outcome, replayed without SQL.
     Completed {
         key: RecordKey,
         fingerprint: String,
         response: StoredResponse,
+        /// The record's expiry, by the database's clock.
+        expires_at_ms: i64,
     },
 }
 
@@ -37,6 +48,14 @@ impl FastEntry {
             FastEntry::InFlight { fingerprint, .. } | FastEntry::Completed { fingerprint, .. } => {
                 fingerprint
             }
+        }
+    }
+
+    /// The record's expiry it carries.
+    pub fn expires_at_ms(&self) -> i64 {
+        match self {
+            FastEntry::InFlight { expires_at_ms, .. }
+            | FastEntry::Completed { expires_at_ms, .. } => *expires_at_ms,
         }
     }
 }
@@ -61,7 +80,9 @@ pub fn encode_entry(entry: &FastEntry) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(ENTRY_MAGIC);
     let (kind, key, fingerprint) = match entry {
-        FastEntry::InFlight { key, fingerprint } => (1u8, key, fingerprint),
+        FastEntry::InFlight {
+            key, fingerprint, ..
+        } => (1u8, key, fingerprint),
         FastEntry::Completed {
             key, fingerprint, ..
         } => (2u8, key, fingerprint),
@@ -70,6 +91,7 @@ pub fn encode_entry(entry: &FastEntry) -> Vec<u8> {
     for field in [&key.scope, &key.route, &key.key, fingerprint] {
         put(&mut out, field.as_bytes());
     }
+    out.extend_from_slice(&entry.expires_at_ms().to_be_bytes());
     if let FastEntry::Completed { response, .. } = entry {
         out.extend_from_slice(&response.status.to_be_bytes());
         out.push(u8::from(response.body_kept));
@@ -93,8 +115,13 @@ pub fn decode_entry(bytes: &[u8]) -> Result<FastEntry, String> {
         key: r.string()?,
     };
     let fingerprint = r.string()?;
+    let expires_at_ms = i64::from_be_bytes(r.take(8)?.try_into().map_err(|_| "expiry")?);
     let entry = match kind {
-        1 => FastEntry::InFlight { key, fingerprint },
+        1 => FastEntry::InFlight {
+            key,
+            fingerprint,
+            expires_at_ms,
+        },
         2 => {
             let status = u16::from_be_bytes(r.take(2)?.try_into().map_err(|_| "status")?);
             let body_kept = r.take(1)?[0] == 1;
@@ -111,6 +138,7 @@ pub fn decode_entry(bytes: &[u8]) -> Result<FastEntry, String> {
                     body_kept,
                     request_id,
                 },
+                expires_at_ms,
             }
         }
         _ => return Err(format!("unknown entry kind {kind}")),
@@ -193,6 +221,7 @@ mod tests {
                 body_kept: true,
                 request_id: "rid".into(),
             },
+            expires_at_ms: 1_700_000_000_000,
         };
         let bytes = encode_entry(&entry);
         assert_eq!(decode_entry(&bytes).unwrap(), entry);
@@ -201,6 +230,7 @@ mod tests {
         let marker = FastEntry::InFlight {
             key,
             fingerprint: "fp".into(),
+            expires_at_ms: -1,
         };
         assert_eq!(decode_entry(&encode_entry(&marker)).unwrap(), marker);
     }

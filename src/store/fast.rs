@@ -52,6 +52,10 @@ pub trait FastLayer: Send + Sync + 'static {
 
     /// Checks the layer answers (for `/readyz`).
     fn ping(&self) -> BoxFuture<'_, Result<(), FastError>>;
+
+    /// Tells every instance that a watched record settled (see
+    /// [`super::settle`]); the in-process layer has nobody to tell.
+    fn announce<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<(), FastError>>;
 }
 
 /// The storage key of a record: a fixed-length hash, so no client input

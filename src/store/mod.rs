@@ -28,6 +28,7 @@ pub mod held;
 pub mod memory;
 pub mod purges;
 pub mod redis;
+pub mod settle;
 pub mod sql;
 mod statements;
 pub mod sweep;
@@ -136,22 +137,66 @@ pub struct Record {
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
     pub expires_at_ms: i64,
+    /// When its tombstone ends (`expires_at_ms` when tombstones are off):
+    /// between the two, the key answers 410 for the same request.
+    pub forgotten_at_ms: i64,
     /// The database's clock when the record was read: leases and expiries
     /// are judged against it, never against this gateway's clock.
     pub read_at_ms: i64,
 }
 
-/// What a claim found.
+/// What a claim found. Every answer about an existing record carries the
+/// record's expiry (`Idempotency-Expires`), in ms since the Unix epoch by
+/// the database's clock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
     /// This request holds the claim under `epoch`: forward it.
-    Won { epoch: i64 },
+    Won {
+        epoch: i64,
+        expires_at_ms: i64,
+        /// The attempt this claim replaced may have reached the upstream
+        /// (it was uncertain, or its holder's lease ran out): ask the
+        /// upstream before forwarding again, where the route can.
+        maybe_ran: bool,
+    },
     /// Another request with this key is running.
-    InFlight { retry_after: Duration },
+    InFlight {
+        retry_after: Duration,
+        expires_at_ms: i64,
+    },
+    /// The same request reached the upstream and no answer came back; a
+    /// copy may still be running there for `retry_after`, and until then
+    /// nothing is forwarded (SPEC §1 rule 8).
+    Uncertain {
+        epoch: i64,
+        retry_after: Duration,
+        expires_at_ms: i64,
+    },
     /// The request already finished: replay this.
-    Completed(StoredResponse),
+    Completed {
+        response: StoredResponse,
+        expires_at_ms: i64,
+    },
     /// The key was used for a different request.
-    Mismatch,
+    Mismatch { expires_at_ms: i64 },
+    /// The same request, after its record's retention, within its
+    /// tombstone (`store.tombstone`): 410, never executed again.
+    Expired { forgotten_at_ms: i64 },
+}
+
+impl Claim {
+    /// Until when the answer's record is remembered: its retention's end,
+    /// or for a tombstone the tombstone's end.
+    pub fn expires_at_ms(&self) -> i64 {
+        match self {
+            Claim::Won { expires_at_ms, .. }
+            | Claim::InFlight { expires_at_ms, .. }
+            | Claim::Uncertain { expires_at_ms, .. }
+            | Claim::Completed { expires_at_ms, .. }
+            | Claim::Mismatch { expires_at_ms } => *expires_at_ms,
+            Claim::Expired { forgotten_at_ms } => *forgotten_at_ms,
+        }
+    }
 }
 
 /// Why a store operation failed. Every variant means "fail closed".
@@ -206,6 +251,9 @@ pub struct StoreOptions {
     pub timeout: Duration,
     pub lease: Duration,
     pub retention: Duration,
+    /// How long a record is kept as a fingerprint-only tombstone after its
+    /// retention (zero: not at all).
+    pub tombstone: Duration,
     pub fast_layer_budget: Duration,
 }
 
@@ -223,10 +271,24 @@ pub async fn open(
         .is_empty()
         .then(|| Arc::new(memory::MemoryLayer::new(memory::DEFAULT_MAX_ENTRIES)));
     let fast = fast_layer(config, memory.clone())?;
-    Ok((
-        Store::new(sql, Some(fast), settings_of(config), metrics),
-        memory,
-    ))
+    let channel = if !config.redis_url.is_empty() {
+        settle::Channel::Redis
+    } else if sql.backend() == "postgres" {
+        settle::Channel::Postgres
+    } else {
+        settle::Channel::Local
+    };
+    let settlements = Arc::new(settle::Settlements::default());
+    settlements.listen(channel, config);
+    let store = Store::with_settlements(
+        sql,
+        Some(fast),
+        settings_of(config),
+        metrics,
+        settlements,
+        channel,
+    );
+    Ok((store, memory))
 }
 
 /// A store for one worker thread's event loop, built on that loop.
@@ -251,7 +313,14 @@ pub async fn open_for_worker(
     let share = (config.pool_size as usize).div_ceil(workers.max(1)).max(2) as u32;
     let sql = sql::SqlStore::connect(&sql_settings(config, share)).await?;
     let fast = fast_layer(config, memory)?;
-    Ok(Store::new(sql, Some(fast), settings_of(config), metrics))
+    Ok(Store::with_settlements(
+        sql,
+        Some(fast),
+        settings_of(config),
+        metrics,
+        shared.settlements().clone(),
+        shared.channel(),
+    ))
 }
 
 fn sql_settings(config: &StoreOptions, pool_size: u32) -> sql::SqlSettings {
@@ -259,6 +328,7 @@ fn sql_settings(config: &StoreOptions, pool_size: u32) -> sql::SqlSettings {
         url: config.database_url.clone(),
         pool_size,
         timeout: config.timeout,
+        tombstone: config.tombstone,
     }
 }
 
@@ -292,8 +362,13 @@ fn fast_layer(
 impl Record {
     /// Whether the record is held under a live lease (by the database's
     /// clock when it was read).
+    ///
+    /// Uncertain records count while their hold runs (a copy may still be
+    /// running at the upstream): neither the sweeper nor a purge removes a
+    /// held record.
     pub fn is_held(&self) -> bool {
-        self.state == RecordState::InFlight && self.lease_until_ms > self.read_at_ms
+        matches!(self.state, RecordState::InFlight | RecordState::Uncertain)
+            && self.lease_until_ms > self.read_at_ms
     }
 
     /// The record for operators (`idemgate keys show`, `/admin/keys`):
@@ -302,13 +377,25 @@ impl Record {
         let now = self.read_at_ms;
         let age = |ms: i64| format!("{:.1}s", (now - ms) as f64 / 1000.0);
         let left = |ms: i64| format!("{:.1}s", (ms - now) as f64 / 1000.0);
+        // Past its retention a record only says "expired" (tombstone) or is
+        // waiting for the sweep; its stored state stays what it was.
+        let phase = if self.expires_at_ms > now || self.is_held() {
+            "live"
+        } else if self.forgotten_at_ms > now {
+            "tombstone"
+        } else {
+            "forgotten"
+        };
         serde_json::json!({
             "route": self.key.route,
             "key": self.key.key,
             "client_scope": self.key.scope,
             "state": self.state.as_str(),
+            "phase": phase,
             "epoch": self.epoch,
             "lease_left": if self.state == RecordState::InFlight { Some(left(self.lease_until_ms)) } else { None },
+            // An uncertain record is not taken over before this.
+            "hold_left": if self.state == RecordState::Uncertain && self.lease_until_ms > now { Some(left(self.lease_until_ms)) } else { None },
             "fingerprint": self.fingerprint,
             "request_id": self.request_id,
             "stored_status": self.response.as_ref().map(|r| r.status),
@@ -317,6 +404,7 @@ impl Record {
             "age": age(self.created_at_ms),
             "updated": age(self.updated_at_ms),
             "expires_in": left(self.expires_at_ms),
+            "forgotten_in": left(self.forgotten_at_ms),
         })
     }
 }

@@ -36,6 +36,8 @@ pub struct RedisLayer {
     target: Target,
     cluster: OnceCell<ClusterConnection>,
     prefix: String,
+    /// Where settled records are announced (`<prefix>settled`).
+    channel: String,
     get_or_mark: redis::Script,
 }
 
@@ -82,6 +84,7 @@ impl RedisLayer {
             target,
             cluster: OnceCell::new(),
             prefix: prefix.to_owned(),
+            channel: super::settle::redis_channel(prefix),
             get_or_mark: redis::Script::new(GET_OR_MARK),
         })
     }
@@ -159,6 +162,14 @@ impl FastLayer for RedisLayer {
         Box::pin(async move {
             with_conn!(self.conn().await?, c => {
                 redis::cmd("PING").query_async::<String>(&mut c).await.map(|_| ()).map_err(backend)
+            })
+        })
+    }
+
+    fn announce<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<(), FastError>> {
+        Box::pin(async move {
+            with_conn!(self.conn().await?, c => {
+                c.publish::<_, _, ()>(&self.channel, token).await.map_err(backend)
             })
         })
     }

@@ -75,6 +75,8 @@ pub struct SqlStore {
     pool: Pool,
     url: std::sync::Arc<str>,
     timeout: Duration,
+    /// How long a record stays a tombstone after its retention.
+    tombstone: Duration,
     /// Whether batch writers keep a Postgres connection between batches
     /// (see [`super::held`]): only with room left in the pool.
     hold_batch_connections: bool,
@@ -110,6 +112,9 @@ pub struct SqlSettings {
     pub pool_size: u32,
     /// Bound on every operation, and on waiting for a pooled connection.
     pub timeout: Duration,
+    /// How long a record stays a fingerprint-only tombstone after its
+    /// retention (zero: forgotten at once).
+    pub tombstone: Duration,
 }
 
 impl SqlStore {
@@ -185,6 +190,7 @@ impl SqlStore {
                 && settings.pool_size >= super::held::MIN_POOL_TO_HOLD,
             pool,
             timeout: settings.timeout,
+            tombstone: settings.tombstone,
         })
     }
 
@@ -282,11 +288,15 @@ impl SqlStore {
         // Not a batch writer: a connection of its own, returned at the end.
         let unbatched = HeldConnection::default();
         for _ in 0..3 {
-            if let Some(epoch) = self
+            if let Some((epoch, expires_at_ms)) = self
                 .insert_claims(std::slice::from_ref(&job), &unbatched)
                 .await?[0]
             {
-                return Ok(Claim::Won { epoch });
+                return Ok(Claim::Won {
+                    epoch,
+                    expires_at_ms,
+                    maybe_ran: false,
+                });
             }
             if let Some((claim, _)) = self.claim_existing(&job).await? {
                 return Ok(claim);
@@ -308,19 +318,28 @@ impl SqlStore {
     ) -> Result<Option<(Claim, Duration)>, StoreError> {
         let key = &c.key;
         let statement = self.sql().claim_takeover.as_str();
-        let taken: Option<i64> = self
+        let taken: Option<(i64, i64, bool)> = self
             .bounded("claim", async {
                 with_pool!(self, pool => {
                     sqlx::query(statement)
                         .bind(&key.scope).bind(&key.route).bind(&key.key).bind(&c.fingerprint)
                         .bind(millis(c.lease)).bind(&c.request_id).bind(millis(c.retention))
+                        .bind(millis(self.tombstone))
                         .fetch_optional(pool).await
-                        .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
+                        .and_then(|row| {
+                            row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                                .transpose()
+                        })
                 })
             })
             .await?;
-        if let Some(epoch) = taken {
-            return Ok(Some((Claim::Won { epoch }, c.retention)));
+        if let Some((epoch, expires_at_ms, maybe_ran)) = taken {
+            let won = Claim::Won {
+                epoch,
+                expires_at_ms,
+                maybe_ran,
+            };
+            return Ok(Some((won, c.retention)));
         }
         Ok(self.get(key).await?.map(|record| {
             let remaining = left(record.expires_at_ms - record.read_at_ms);
@@ -344,7 +363,7 @@ impl SqlStore {
                 })
             })
             .await?;
-        row.map(RawRecord::into_record).transpose()
+        row.map(|r| r.into_record(self.tombstone)).transpose()
     }
 
     /// Every record of `route` and `key`, whatever the client scope.
@@ -360,44 +379,84 @@ impl SqlStore {
                 })
             })
             .await?;
-        rows.into_iter().map(RawRecord::into_record).collect()
+        rows.into_iter()
+            .map(|r| r.into_record(self.tombstone))
+            .collect()
     }
 
-    /// Stores the outcome; the retention left (by the database's clock), or
-    /// `None` when `epoch` no longer holds the claim.
+    /// Stores the outcome; the retention left (by the database's clock) and
+    /// whether a duplicate waits for it, or `None` when `epoch` no longer
+    /// holds the claim.
     pub async fn complete(
         &self,
         key: &RecordKey,
         epoch: i64,
         response: &StoredResponse,
-    ) -> Result<Option<Duration>, StoreError> {
+    ) -> Result<Option<(Duration, bool)>, StoreError> {
+        self.write_outcome(
+            "complete",
+            self.sql().complete.as_str(),
+            key,
+            epoch,
+            response,
+        )
+        .await
+    }
+
+    /// Stores the answer reconciliation got for an `uncertain` record (the
+    /// upstream says the action ran), fenced by that record's epoch.
+    pub async fn complete_reconciled(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        response: &StoredResponse,
+    ) -> Result<Option<(Duration, bool)>, StoreError> {
+        let statement = self.sql().complete_reconciled.as_str();
+        self.write_outcome("complete", statement, key, epoch, response)
+            .await
+    }
+
+    async fn write_outcome(
+        &self,
+        op: &'static str,
+        statement: &'static str,
+        key: &RecordKey,
+        epoch: i64,
+        response: &StoredResponse,
+    ) -> Result<Option<(Duration, bool)>, StoreError> {
         let headers = encode_headers(&response.headers);
         let status = i32::from(response.status);
-        let statement = self.sql().complete.as_str();
-        self.bounded("complete", async {
+        self.bounded(op, async {
             with_pool!(self, pool => {
                 sqlx::query(statement)
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
                     .bind(status).bind(&headers).bind(response.body.as_ref())
                     .bind(response.body_kept).bind(&response.request_id)
                     .fetch_optional(pool).await?
-                    .map(|row| row.try_get::<i64, _>(0).map(left))
+                    .map(|row| Ok((left(row.try_get::<i64, _>(0)?), row.try_get::<bool, _>(1)?)))
                     .transpose()
             })
         })
         .await
     }
 
-    /// Gives the claim up (nothing happened upstream); false when `epoch`
-    /// no longer holds it.
-    pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
-        self.set_state(key, epoch, RecordState::Released, "release")
+    /// Gives the claim up (nothing happened upstream): whether a duplicate
+    /// waits for it, or `None` when `epoch` no longer holds it.
+    pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<Option<bool>, StoreError> {
+        self.set_state(key, epoch, RecordState::Released, Duration::ZERO, "release")
             .await
     }
 
-    /// Records that the outcome is unknown; the next retry may take over.
-    pub async fn mark_uncertain(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
-        self.set_state(key, epoch, RecordState::Uncertain, "mark_uncertain")
+    /// Records that the outcome is unknown: nothing is forwarded for `hold`
+    /// (a copy may still be running at the upstream), then the next retry
+    /// may take over.
+    pub async fn mark_uncertain(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        hold: Duration,
+    ) -> Result<Option<bool>, StoreError> {
+        self.set_state(key, epoch, RecordState::Uncertain, hold, "mark_uncertain")
             .await
     }
 
@@ -406,15 +465,49 @@ impl SqlStore {
         key: &RecordKey,
         epoch: i64,
         state: RecordState,
+        hold: Duration,
         op: &'static str,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Option<bool>, StoreError> {
         let statement = self.sql().set_state.as_str();
         self.bounded(op, async {
             with_pool!(self, pool => {
                 sqlx::query(statement)
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
-                    .bind(state.as_str())
-                    .execute(pool).await.map(|r| r.rows_affected() == 1)
+                    .bind(state.as_str()).bind(millis(hold))
+                    .fetch_optional(pool).await?
+                    .map(|row| row.try_get::<bool, _>(0))
+                    .transpose()
+            })
+        })
+        .await
+    }
+
+    /// Tells every instance listening on Postgres that the record with
+    /// this hash settled (see [`super::settle`]); nothing on SQLite.
+    pub async fn announce(&self, token: &str) -> Result<(), StoreError> {
+        let Pool::Postgres(pool) = &self.pool else {
+            return Ok(());
+        };
+        self.bounded("announce", async {
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(super::settle::PG_CHANNEL)
+                .bind(token)
+                .execute(pool)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    /// Says a duplicate waits for `key` while it is in flight; false when
+    /// it is not in flight (any more): claim again at once.
+    pub async fn mark_watched(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let statement = self.sql().mark_watched.as_str();
+        self.bounded("watch", async {
+            with_pool!(self, pool => {
+                sqlx::query(statement)
+                    .bind(&key.scope).bind(&key.route).bind(&key.key)
+                    .execute(pool).await.map(|r| r.rows_affected() > 0)
             })
         })
         .await
@@ -488,20 +581,24 @@ impl SqlStore {
     /// Removes (or archives) one batch of expired records; returns how many.
     pub async fn sweep_batch(&self, archive: bool) -> Result<u64, StoreError> {
         let statements = self.sql();
+        let tombstone = millis(self.tombstone);
         self.bounded("sweep", async {
             match (&self.pool, archive) {
                 (Pool::Postgres(pool), false) => sqlx::query(statements.sweep_delete.as_str())
                     .bind(SWEEP_BATCH)
+                    .bind(tombstone)
                     .execute(pool)
                     .await
                     .map(|r| r.rows_affected()),
                 (Pool::Postgres(pool), true) => sqlx::query(statements.sweep_archive_pg.as_str())
                     .bind(SWEEP_BATCH)
+                    .bind(tombstone)
                     .execute(pool)
                     .await
                     .map(|r| r.rows_affected()),
                 (Pool::Sqlite(pool), false) => sqlx::query(statements.sweep_delete.as_str())
                     .bind(SWEEP_BATCH)
+                    .bind(tombstone)
                     .execute(pool)
                     .await
                     .map(|r| r.rows_affected()),
@@ -518,12 +615,14 @@ impl SqlStore {
                     let copied = sqlx::query(statements.sweep_archive_copy_sqlite.as_str())
                         .bind(SWEEP_BATCH)
                         .bind(now)
+                        .bind(tombstone)
                         .execute(&mut *tx)
                         .await?
                         .rows_affected();
                     sqlx::query(statements.sweep_delete_at.as_str())
                         .bind(SWEEP_BATCH)
                         .bind(now)
+                        .bind(tombstone)
                         .execute(&mut *tx)
                         .await?;
                     tx.commit().await?;
@@ -532,6 +631,47 @@ impl SqlStore {
             }
         })
         .await
+    }
+
+    /// With tombstones on: drops the stored answers of records whose
+    /// retention ended at or after `after` (ms), one batch; returns how
+    /// many and the watermark to pass next time (see [`super::sweep`]).
+    pub async fn strip_batch(&self, after: i64) -> Result<(u64, i64), StoreError> {
+        let statements = self.sql();
+        self.bounded("sweep", async {
+            with_pool!(self, pool => {
+                let now: i64 = sqlx::query(statements.now.as_str())
+                    .fetch_one(pool)
+                    .await?
+                    .try_get(0)?;
+                let rows = sqlx::query(statements.strip_expired.as_str())
+                    .bind(SWEEP_BATCH)
+                    .bind(after)
+                    .bind(now)
+                    .fetch_all(pool)
+                    .await?;
+                let stripped = rows.len() as u64;
+                // A short batch took every strippable row up to `now`; a
+                // full one goes on from the newest it took.
+                let next = if stripped < SWEEP_BATCH as u64 {
+                    now
+                } else {
+                    rows.iter()
+                        .map(|r| r.try_get::<i64, _>(0))
+                        .collect::<Result<Vec<_>, _>>()?
+                        .into_iter()
+                        .max()
+                        .unwrap_or(now)
+                };
+                Ok((stripped, next))
+            })
+        })
+        .await
+    }
+
+    /// How long a record stays a tombstone after its retention.
+    pub fn tombstone(&self) -> Duration {
+        self.tombstone
     }
 
     /// Purges logged after `last` (oldest first, at most 1,000), for the

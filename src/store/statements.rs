@@ -19,24 +19,34 @@ use std::sync::LazyLock;
 /// The statements of one database.
 pub(super) struct Statements {
     /// `$1 scope, $2 route, $3 key, $4 fingerprint, $5 lease ms, $6 request
-    /// id, $7 retention ms` → `epoch` when inserted.
+    /// id, $7 retention ms` → `epoch, expires_at` when inserted.
     pub claim_insert: String,
     /// Postgres only: the batched insert over arrays `$1..$4, $6` with the
-    /// scalar `$5 lease ms, $7 retention ms` → the keys inserted and their
-    /// epochs.
+    /// scalar `$5 lease ms, $7 retention ms` → the keys inserted, their
+    /// epochs and expiries.
     pub claim_insert_many: String,
-    /// Takes over a record that may be claimed again (same parameters as
-    /// the insert) → the new epoch.
+    /// Takes over a record that may be claimed again (the insert's
+    /// parameters, and `$8 tombstone ms`) → the new epoch, the expiry, and
+    /// whether the attempt it replaced may have reached the upstream.
     pub claim_takeover: String,
     pub select_one: String,
     pub select_by_route_key: String,
     /// `$1..$3` key, `$4 epoch, $5 status, $6 headers, $7 body, $8
-    /// body_kept, $9 request id` → the retention left, in ms.
+    /// body_kept, $9 request id` → the retention left, in ms, and whether a
+    /// duplicate is waiting.
     pub complete: String,
     /// Postgres only: many completions over arrays `$1..$9`.
     pub complete_many: String,
-    /// `$1..$3` key, `$4 epoch, $5 state`.
+    /// [`Self::complete`] for an `uncertain` record whose upstream said the
+    /// action ran (reconciliation), fenced by the uncertain epoch.
+    pub complete_reconciled: String,
+    /// `$1..$3` key, `$4 epoch, $5 state, $6 ms` the record may not be
+    /// taken over for (an uncertain record's hold; 0 for a release) →
+    /// whether a duplicate is waiting.
     pub set_state: String,
+    /// `$1..$3` key: a duplicate waits for this in-flight record (the
+    /// statement that settles it then says so).
+    pub mark_watched: String,
     /// `$1..$3` key, `$4 epoch, $5 lease ms`.
     pub renew: String,
     /// `$1..$3` key: deletes unless held under a live lease.
@@ -51,16 +61,23 @@ pub(super) struct Statements {
     pub last_purge: String,
     /// Forgets purges older than `$1` ms.
     pub trim_purges: String,
-    /// `$1` rows at most.
+    /// `$1` rows at most, `$2 tombstone ms`: forgotten rows (retention and
+    /// tombstone over).
     pub sweep_delete: String,
-    /// Postgres: move `$1` expired rows to the archive in one statement.
+    /// Postgres: move `$1` forgotten rows (`$2 tombstone ms`) to the
+    /// archive in one statement.
     pub sweep_archive_pg: String,
-    /// SQLite: copy `$1` rows expired at time `$2` (then
-    /// `sweep_delete_at` with the same `$2`, in one transaction: both must
-    /// see the same rows, so the time is read once and bound).
+    /// SQLite: copy `$1` rows forgotten at time `$2` (`$3 tombstone ms`;
+    /// then `sweep_delete_at` with the same `$2`, in one transaction: both
+    /// must see the same rows, so the time is read once and bound).
     pub sweep_archive_copy_sqlite: String,
-    /// `sweep_delete` with the time bound as `$2`.
+    /// `sweep_delete` with the time bound as `$2`, `$3 tombstone ms`.
     pub sweep_delete_at: String,
+    /// Tombstones: drops the stored answer of at most `$1` rows whose
+    /// retention ended at or after `$2` and by `$3` (the database's now,
+    /// read before) → their expiries. Only the fingerprint is kept (rows
+    /// already stripped no longer match, so a watermark may repeat).
+    pub strip_expired: String,
     /// The database's clock.
     pub now: String,
 }
@@ -80,18 +97,24 @@ pub(super) static SQLITE: LazyLock<Statements> =
 const COLUMNS: &str = "fingerprint, state, epoch, lease_until, request_id, status, headers, body, \
      body_kept, created_at, updated_at, expires_at, scope, route, idem_key";
 
-// A row is sweepable once its retention is over, unless it is still held
-// under a live lease. The condition is repeated in the outer statement so
-// that Postgres re-checks it on a row a concurrent takeover just renewed.
-const SWEEPABLE: &str = "expires_at <= {now} AND NOT (state = 'in_flight' AND lease_until > {now})";
+// A row is forgotten (swept, free for any request) once its retention and
+// its tombstone are over, unless it is still held: under a live lease, or
+// uncertain within its hold (a copy may still run at the upstream; deleting
+// the row would let a retry be forwarded beside it). The condition is
+// repeated in the outer statement so that Postgres re-checks it on a row a
+// concurrent takeover just renewed.
+const SWEEPABLE: &str = "expires_at + {tomb} <= {now} AND NOT (state IN ('in_flight', 'uncertain') \
+     AND lease_until > {now})";
 
-const NOT_HELD: &str = "NOT (state = 'in_flight' AND lease_until > {now})";
+/// Purges spare the same records the sweeper does.
+const NOT_HELD: &str = "NOT (state IN ('in_flight', 'uncertain') AND lease_until > {now})";
 
 impl Statements {
     fn with_clock(now: &str, epoch: &str) -> Statements {
         // For statements that must agree on one instant: the time is `$2`.
         let fill_at = |text: &str| {
-            text.replace("{sweepable}", &SWEEPABLE.replace("{now}", "$2"))
+            text.replace("{sweepable}", SWEEPABLE)
+                .replace("{tomb}", "$3")
                 .replace("{now}", "$2")
         };
         let fill = |text: &str| {
@@ -101,6 +124,14 @@ impl Statements {
                 .replace("{now}", now)
                 .replace("{epoch}", epoch)
         };
+        // The tombstone is a parameter; which one each statement says.
+        let fill_tomb = |text: &str, tomb: &str| {
+            fill(
+                &text
+                    .replace("{sweepable}", SWEEPABLE)
+                    .replace("{tomb}", tomb),
+            )
+        };
         Statements {
             claim_insert: fill(
                 "INSERT INTO idempotency_records \
@@ -108,7 +139,7 @@ impl Statements {
                   created_at, updated_at, expires_at, body_kept) \
                  VALUES ($1, $2, $3, $4, 'in_flight', {epoch}, {now} + $5, $6, {now}, {now}, \
                          {now} + $7, FALSE) \
-                 ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING epoch",
+                 ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING epoch, expires_at",
             ),
             claim_insert_many: fill(
                 "INSERT INTO idempotency_records \
@@ -119,24 +150,32 @@ impl Statements {
                  FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $6::text[]) \
                       AS v(scope, route, idem_key, fingerprint, request_id) \
                  ON CONFLICT (route, idem_key, scope) DO NOTHING \
-                 RETURNING scope, route, idem_key, epoch",
+                 RETURNING scope, route, idem_key, epoch, expires_at",
             ),
-            // Retention-expired and released records take any fingerprint
-            // (the key is free again); uncertain and lease-expired ones only
-            // the same request.
-            claim_takeover: fill(
+            // Forgotten (retention and tombstone over) and released records
+            // take any fingerprint (the key is free again); within
+            // retention, an uncertain record whose hold is over and a
+            // lease-expired one only the same request. A record past its
+            // retention but within its tombstone is not taken (410, 422).
+            // `maybe_ran` is set from the state replaced (SET reads the old
+            // row): an uncertain or lease-expired attempt may have acted.
+            claim_takeover: fill_tomb(
                 "UPDATE idempotency_records SET \
                  epoch = epoch + 1, state = 'in_flight', fingerprint = $4, \
                  lease_until = {now} + $5, request_id = $6, \
-                 created_at = CASE WHEN expires_at <= {now} OR state = 'released' \
+                 maybe_ran = CASE WHEN state IN ('uncertain', 'in_flight') \
+                             AND expires_at > {now} THEN TRUE ELSE FALSE END, \
+                 watched = FALSE, \
+                 created_at = CASE WHEN expires_at + {tomb} <= {now} OR state = 'released' \
                               THEN {now} ELSE created_at END, \
                  updated_at = {now}, expires_at = {now} + $7, \
                  status = NULL, headers = NULL, body = NULL, body_kept = FALSE \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND ( \
                    ({sweepable}) OR state = 'released' \
-                   OR (fingerprint = $4 AND (state = 'uncertain' \
-                       OR (state = 'in_flight' AND lease_until <= {now}))) \
-                 ) RETURNING epoch",
+                   OR (fingerprint = $4 AND expires_at > {now} \
+                       AND state IN ('uncertain', 'in_flight') AND lease_until <= {now}) \
+                 ) RETURNING epoch, expires_at, maybe_ran",
+                "$8",
             ),
             select_one: fill(
                 "SELECT {columns}, {now} FROM idempotency_records \
@@ -154,7 +193,15 @@ impl Statements {
                  request_id = $9, lease_until = 0, updated_at = {now} \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
                    AND state = 'in_flight' \
-                 RETURNING expires_at - {now}",
+                 RETURNING expires_at - {now}, watched",
+            ),
+            complete_reconciled: fill(
+                "UPDATE idempotency_records SET \
+                 state = 'completed', status = $5, headers = $6, body = $7, body_kept = $8, \
+                 request_id = $9, lease_until = 0, updated_at = {now} \
+                 WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
+                   AND state = 'uncertain' \
+                 RETURNING expires_at - {now}, watched",
             ),
             // One round trip and one commit for a whole batch; each row
             // still needs its own epoch to match (fencing).
@@ -169,12 +216,18 @@ impl Statements {
                            request_id) \
                  WHERE r.scope = v.scope AND r.route = v.route AND r.idem_key = v.idem_key \
                    AND r.epoch = v.epoch AND r.state = 'in_flight' \
-                 RETURNING r.scope, r.route, r.idem_key, r.expires_at - {now}",
+                 RETURNING r.scope, r.route, r.idem_key, r.expires_at - {now}, r.watched",
             ),
             set_state: fill(
-                "UPDATE idempotency_records SET state = $5, lease_until = 0, updated_at = {now} \
+                "UPDATE idempotency_records SET state = $5, \
+                 lease_until = CASE WHEN $6 > 0 THEN {now} + $6 ELSE 0 END, updated_at = {now} \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
-                   AND state = 'in_flight'",
+                   AND state = 'in_flight' \
+                 RETURNING watched",
+            ),
+            mark_watched: fill(
+                "UPDATE idempotency_records SET watched = TRUE \
+                 WHERE scope = $1 AND route = $2 AND idem_key = $3 AND state = 'in_flight'",
             ),
             renew: fill(
                 "UPDATE idempotency_records SET lease_until = {now} + $5 \
@@ -198,13 +251,14 @@ impl Statements {
             ),
             last_purge: fill("SELECT COALESCE(MAX(id), 0) FROM idempotency_purges"),
             trim_purges: fill("DELETE FROM idempotency_purges WHERE purged_at < {now} - $1"),
-            sweep_delete: fill(
+            sweep_delete: fill_tomb(
                 "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
                    SELECT route, idem_key, scope FROM idempotency_records \
                    WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
                  AND {sweepable}",
+                "$2",
             ),
-            sweep_archive_pg: fill(
+            sweep_archive_pg: fill_tomb(
                 "WITH moved AS ( \
                    DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
                      SELECT route, idem_key, scope FROM idempotency_records \
@@ -219,6 +273,7 @@ impl Statements {
                  SELECT scope, route, idem_key, fingerprint, state, epoch, request_id, status, \
                         headers, body, body_kept, created_at, updated_at, expires_at, {now} \
                  FROM moved",
+                "$2",
             ),
             sweep_delete_at: fill_at(
                 "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
@@ -227,6 +282,15 @@ impl Statements {
                  AND {sweepable}",
             ),
             now: fill("SELECT {now}"),
+            strip_expired: fill(
+                "UPDATE idempotency_records SET headers = NULL, body = NULL \
+                 WHERE (route, idem_key, scope) IN ( \
+                   SELECT route, idem_key, scope FROM idempotency_records \
+                   WHERE expires_at >= $2 AND expires_at <= $3 AND body IS NOT NULL \
+                     AND NOT (state IN ('in_flight', 'uncertain') AND lease_until > $3) \
+                   ORDER BY expires_at LIMIT $1) \
+                 RETURNING expires_at",
+            ),
             sweep_archive_copy_sqlite: fill_at(
                 "INSERT INTO idempotency_archive (scope, route, idem_key, fingerprint, state, \
                    epoch, request_id, status, headers, body, body_kept, created_at, updated_at, \
@@ -242,6 +306,6 @@ impl Statements {
 }
 
 /// Milliseconds of a duration, for the statements' duration parameters.
-pub(super) fn millis(d: std::time::Duration) -> i64 {
+pub(crate) fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }

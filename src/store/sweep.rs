@@ -4,6 +4,12 @@
 //! statement), never one huge transaction, so a backlog of millions of rows
 //! never holds locks for long. Records still held under a live lease are
 //! left alone until they are resolved or their lease runs out.
+//!
+//! With `store.tombstone`, a record past its retention is kept until its
+//! tombstone ends, and the sweeper drops its stored answer (headers and
+//! body) so that only the fingerprint remains. It strips from a watermark
+//! (the newest expiry it has stripped), so each row is visited once rather
+//! than every tombstone being scanned again at every tick.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,17 +19,45 @@ use super::memory::MemoryLayer;
 use super::sql::{SWEEP_BATCH, SqlStore};
 
 /// Runs batches until one comes back short; returns the rows removed.
+/// Tombstones' answers are dropped over the whole tombstone window.
 pub async fn sweep_once(sql: &SqlStore, archive: bool) -> Result<u64, StoreError> {
+    let mut watermark = None;
+    sweep_from(sql, archive, &mut watermark).await
+}
+
+/// [`sweep_once`], stripping tombstones from `watermark` on (and moving it).
+async fn sweep_from(
+    sql: &SqlStore,
+    archive: bool,
+    watermark: &mut Option<i64>,
+) -> Result<u64, StoreError> {
     let mut total = 0;
     loop {
         let moved = sql.sweep_batch(archive).await?;
         total += moved;
         if moved < SWEEP_BATCH as u64 {
-            return Ok(total);
+            break;
         }
         // Let claims in between batches.
         tokio::task::yield_now().await;
     }
+    if !sql.tombstone().is_zero() {
+        // Rows that expired before the window are forgotten (swept above).
+        let mut from = match *watermark {
+            Some(from) => from,
+            None => super::now_ms() - super::statements::millis(sql.tombstone()),
+        };
+        loop {
+            let (stripped, next) = sql.strip_batch(from).await?;
+            from = next;
+            if stripped < SWEEP_BATCH as u64 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        *watermark = Some(from);
+    }
+    Ok(total)
 }
 
 /// Sweeps every `interval` until the task is aborted.
@@ -37,9 +71,10 @@ pub fn spawn(
         let mut ticker = tokio::time::interval(interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker.tick().await;
+        let mut watermark = None;
         loop {
             ticker.tick().await;
-            match sweep_once(&sql, archive).await {
+            match sweep_from(&sql, archive, &mut watermark).await {
                 Ok(0) => {}
                 Ok(n) => {
                     tracing::info!(records = n, archive, layer = "sql", "swept expired records")

@@ -28,8 +28,9 @@ use super::batch::Batcher;
 use super::codec::FastEntry;
 use super::fast::FastLayer;
 use super::held::HeldConnection;
+use super::settle::{Channel, Settlements, Watch};
 use super::sql::{Completion, NewClaim, SqlStore};
-use super::{Claim, Record, RecordKey, StoreError, StoredResponse};
+use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
 use crate::metrics::Metrics;
 
 /// Where token records live (kept equal to [`crate::token::TOKEN_RECORDS`]
@@ -49,11 +50,15 @@ pub struct StoreSettings {
 #[derive(Clone)]
 pub struct Store {
     sql: SqlStore,
-    claims: Batcher<NewClaim, Option<i64>>,
-    completions: Batcher<Completion, Option<Duration>>,
+    claims: Batcher<NewClaim, Option<(i64, i64)>>,
+    completions: Batcher<Completion, Option<(Duration, bool)>>,
     fast: Option<Arc<dyn FastLayer>>,
     settings: StoreSettings,
     metrics: Arc<Metrics>,
+    /// This process's waiters (shared by every worker's store) and how a
+    /// settled record is announced to the other instances.
+    settlements: Arc<Settlements>,
+    channel: Channel,
 }
 
 impl Store {
@@ -63,6 +68,19 @@ impl Store {
         fast: Option<Arc<dyn FastLayer>>,
         settings: StoreSettings,
         metrics: Arc<Metrics>,
+    ) -> Self {
+        Self::with_settlements(sql, fast, settings, metrics, Arc::default(), Channel::Local)
+    }
+
+    /// [`Self::new`], sharing `settlements` (one per process) and
+    /// announcing settled records on `channel`.
+    pub fn with_settlements(
+        sql: SqlStore,
+        fast: Option<Arc<dyn FastLayer>>,
+        settings: StoreSettings,
+        metrics: Arc<Metrics>,
+        settlements: Arc<Settlements>,
+        channel: Channel,
     ) -> Self {
         Store {
             claims: {
@@ -82,8 +100,8 @@ impl Store {
                         // Won after its caller was told 503: nobody will
                         // forward it, so the key is given back at once rather
                         // than held until its lease.
-                        move |claim: NewClaim, won: Option<i64>| {
-                            if let Some(epoch) = won {
+                        move |claim: NewClaim, won: Option<(i64, i64)>| {
+                            if let Some((epoch, _)) = won {
                                 let sql = releaser.clone();
                                 tokio::spawn(async move {
                                     let released = sql.release(&claim.key, epoch).await;
@@ -115,7 +133,19 @@ impl Store {
             fast,
             settings,
             metrics,
+            settlements,
+            channel,
         }
+    }
+
+    /// This process's waiters.
+    pub fn settlements(&self) -> &Arc<Settlements> {
+        &self.settlements
+    }
+
+    /// How settled records are announced to other instances.
+    pub fn channel(&self) -> Channel {
+        self.channel
     }
 
     /// The SQL record store.
@@ -164,6 +194,7 @@ impl Store {
             let marker = FastEntry::InFlight {
                 key: key.clone(),
                 fingerprint: fingerprint.to_owned(),
+                expires_at_ms: super::after_ms(now_ms(), self.settings.retention),
             };
             // One atomic round trip: what is stored, or our marker placed.
             match self
@@ -176,12 +207,20 @@ impl Store {
                 Some(None) => marked = true,
                 Some(Some(entry)) if entry.key() == key && entry.fingerprint() == fingerprint => {
                     match entry {
-                        FastEntry::Completed { response, .. } => {
-                            return Ok(Claim::Completed(response));
+                        FastEntry::Completed {
+                            response,
+                            expires_at_ms,
+                            ..
+                        } => {
+                            return Ok(Claim::Completed {
+                                response,
+                                expires_at_ms,
+                            });
                         }
-                        FastEntry::InFlight { .. } => {
+                        FastEntry::InFlight { expires_at_ms, .. } => {
                             return Ok(Claim::InFlight {
                                 retry_after: self.settings.lease,
+                                expires_at_ms,
                             });
                         }
                     }
@@ -215,11 +254,15 @@ impl Store {
                 Ok(Claim::Won { .. }) => {}
                 // Re-cached for what is left of the record's retention, not
                 // a whole new one.
-                Ok(Claim::Completed(response)) if !left.is_zero() => {
+                Ok(Claim::Completed {
+                    response,
+                    expires_at_ms,
+                }) if !left.is_zero() => {
                     let entry = FastEntry::Completed {
                         key: key.clone(),
                         fingerprint: fingerprint.to_owned(),
                         response: response.clone(),
+                        expires_at_ms: *expires_at_ms,
                     };
                     self.fast("put", fast.put(&entry, left)).await;
                 }
@@ -259,8 +302,13 @@ impl Store {
             lease: self.settings.lease,
             retention: self.settings.retention,
         };
-        if let Some(epoch) = self.claims.submit(job.clone()).await? {
-            return Ok((Claim::Won { epoch }, job.retention));
+        if let Some((epoch, expires_at_ms)) = self.claims.submit(job.clone()).await? {
+            let won = Claim::Won {
+                epoch,
+                expires_at_ms,
+                maybe_ran: false,
+            };
+            return Ok((won, job.retention));
         }
         match self.sql.claim_existing(&job).await? {
             Some(answer) => Ok(answer),
@@ -274,16 +322,18 @@ impl Store {
     }
 
     /// Records the outcome; false when the claim was taken over meanwhile
-    /// (the late write is refused and nothing is cached).
+    /// (the late write is refused and nothing is cached). `expires_at_ms`
+    /// is the record's, from its claim.
     pub async fn complete(
         &self,
         key: &RecordKey,
         epoch: i64,
         fingerprint: &str,
         response: &StoredResponse,
+        expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
         let started = Instant::now();
-        let left = self
+        let done = self
             .completions
             .submit(Completion {
                 key: key.clone(),
@@ -292,37 +342,132 @@ impl Store {
             })
             .await?;
         self.metrics.store_latency.observe(started.elapsed());
+        self.after_completion(key, fingerprint, response, expires_at_ms, done)
+            .await
+    }
+
+    /// Records what reconciliation learned for an `uncertain` record (the
+    /// upstream says the action ran), fenced by that record's epoch.
+    pub async fn complete_reconciled(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        fingerprint: &str,
+        response: &StoredResponse,
+        expires_at_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let done = self.sql.complete_reconciled(key, epoch, response).await?;
+        self.after_completion(key, fingerprint, response, expires_at_ms, done)
+            .await
+    }
+
+    async fn after_completion(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        response: &StoredResponse,
+        expires_at_ms: i64,
+        done: Option<(Duration, bool)>,
+    ) -> Result<bool, StoreError> {
+        let Some((left, watched)) = done else {
+            // Refused by the fence: whatever the fast layer holds for this
+            // key is not ours to keep; SQL decides from here.
+            self.forget(key).await;
+            return Ok(false);
+        };
         // The fast layer keeps the outcome exactly as long as the record.
-        if let Some(left) = left
-            && let Some(fast) = &self.fast
-        {
+        if let Some(fast) = &self.fast {
             let entry = FastEntry::Completed {
                 key: key.clone(),
                 fingerprint: fingerprint.to_owned(),
                 response: response.clone(),
+                expires_at_ms,
             };
             self.fast("put", fast.put(&entry, left)).await;
         }
-        if left.is_none() {
-            // Refused by the fence: whatever the fast layer holds for this
-            // key is not ours to keep; SQL decides from here.
-            self.forget(key).await;
+        if watched {
+            self.announce(key).await;
         }
-        Ok(left.is_some())
+        Ok(true)
     }
 
     /// Gives the claim up: the request had no effect upstream.
     pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
         let released = self.sql.release(key, epoch).await?;
-        self.forget(key).await;
-        Ok(released)
+        self.after_settling(key, released).await
     }
 
-    /// The outcome is unknown: the next retry is forwarded again.
-    pub async fn mark_uncertain(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
-        let marked = self.sql.mark_uncertain(key, epoch).await?;
+    /// The outcome is unknown: nothing is forwarded for `hold` (a copy may
+    /// still run at the upstream), then the next retry may be.
+    pub async fn mark_uncertain(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        hold: Duration,
+    ) -> Result<bool, StoreError> {
+        let marked = self.sql.mark_uncertain(key, epoch, hold).await?;
+        self.after_settling(key, marked).await
+    }
+
+    async fn after_settling(
+        &self,
+        key: &RecordKey,
+        settled: Option<bool>,
+    ) -> Result<bool, StoreError> {
         self.forget(key).await;
-        Ok(marked)
+        if settled == Some(true) {
+            self.announce(key).await;
+        }
+        Ok(settled.is_some())
+    }
+
+    /// Tells this process's and every other instance's waiters that `key`
+    /// settled. Best effort: a waiter that misses it polls.
+    async fn announce(&self, key: &RecordKey) {
+        let token = super::settle::token(key);
+        self.settlements.wake(&token);
+        let announced = match self.channel {
+            Channel::Local => Ok(()),
+            Channel::Postgres => self.sql.announce(&token).await.map_err(|e| e.to_string()),
+            Channel::Redis => match &self.fast {
+                Some(fast) => self
+                    .fast("announce", fast.announce(&token))
+                    .await
+                    .ok_or_else(|| "fast layer failed".to_owned()),
+                None => Ok(()),
+            },
+        };
+        if let Err(e) = announced {
+            tracing::debug!(route = %key.route, key = %key.escaped(), error = %e, layer = "settle", "announcing a settled record failed; waiters elsewhere poll");
+        }
+    }
+
+    /// Registers a waiter of `key` in this process (before it claims
+    /// again, so that no announcement falls between).
+    pub fn watch(&self, key: &RecordKey) -> Watch {
+        self.settlements.watch(key)
+    }
+
+    /// Before `watch` waits: makes sure the record's running attempt is
+    /// flagged in SQL, so that settling it is announced. False when the
+    /// record is not in flight any more: claim again at once.
+    pub async fn flag_watched(&self, key: &RecordKey, watch: &Watch) -> Result<bool, StoreError> {
+        if !watch.take_flag() {
+            return Ok(true);
+        }
+        match self.sql.mark_watched(key).await {
+            Ok(true) => Ok(true),
+            Ok(false) => {
+                // Settled already: every waiter here that trusted this
+                // flag must look again too.
+                self.settlements.wake(&super::settle::token(key));
+                Ok(false)
+            }
+            Err(e) => {
+                watch.clear_flag();
+                Err(e)
+            }
+        }
     }
 
     /// Extends the lease of a running claim.

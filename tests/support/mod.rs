@@ -12,6 +12,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 pub mod brokers;
+pub mod instances;
 pub mod services;
 pub mod tls;
 
@@ -49,6 +50,42 @@ impl Answer {
 
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    /// `Idempotency-Expires` as a time, after checking it is an HTTP-date.
+    pub fn expires(&self) -> std::time::SystemTime {
+        let value = self.header("idempotency-expires").unwrap_or_else(|| {
+            panic!(
+                "no Idempotency-Expires on {} {:?}",
+                self.status, self.headers
+            )
+        });
+        httpdate::parse_http_date(value).unwrap_or_else(|e| panic!("{value:?}: {e}"))
+    }
+}
+
+/// Asserts that every answer names the same key expiry, about `retention`
+/// from now (within the test's own runtime).
+pub fn assert_same_expiry(answers: &[&Answer], retention: Duration) {
+    let first = answers[0].expires();
+    let expected = std::time::SystemTime::now() + retention;
+    let gap = |a: std::time::SystemTime, b: std::time::SystemTime| {
+        a.duration_since(b)
+            .or_else(|_| b.duration_since(a))
+            .unwrap()
+    };
+    assert!(
+        gap(first, expected) < Duration::from_secs(30),
+        "{first:?} vs {expected:?}"
+    );
+    for answer in answers {
+        // HTTP-dates have whole seconds; the in-flight marker's estimate may
+        // differ from the record's own by the claim's round trip.
+        assert!(
+            gap(answer.expires(), first) <= Duration::from_secs(1),
+            "{:?}",
+            answer.headers
+        );
     }
 }
 
@@ -213,8 +250,12 @@ impl Stack {
 /// How many times the demo upstream's `action` really executed, whatever
 /// key it carried (`/actions/{name}` executes on every call).
 pub fn executions(stack: &Stack, action: &str) -> u64 {
-    stack
-        .upstream
+    executions_at(&stack.upstream, action)
+}
+
+/// [`executions`] at an upstream of the test's own.
+pub fn executions_at(upstream: &DemoUpstream, action: &str) -> u64 {
+    upstream
         .state
         .stats()
         .executions
@@ -310,9 +351,9 @@ pub async fn wait_up(http: &Http, url: &str) {
 }
 
 /// A client's retry loop: POSTs until the answer is 201, accepting only 409
-/// (a claim still held) on the way; gives up after about four seconds.
+/// (a claim still held) on the way; gives up after about eight seconds.
 pub async fn retry_through_conflicts(http: &Http, url: &str, key: &str, body: &str) -> Answer {
-    for _ in 0..40 {
+    for _ in 0..80 {
         let a = http
             .send("POST", url, &[("idempotency-key", key)], body.to_owned())
             .await;

@@ -14,15 +14,15 @@ use super::{Pool, SqlStore, left};
 
 impl SqlStore {
     /// The fresh-key half of a claim, for many keys at once: one
-    /// `INSERT … ON CONFLICT DO NOTHING` (one commit). The epoch where the
-    /// row was inserted, i.e. the claim was won. A key twice in one batch
+    /// `INSERT … ON CONFLICT DO NOTHING` (one commit). The epoch and expiry
+    /// where the row was inserted, i.e. the claim was won. A key twice in one batch
     /// is inserted for its first job only; the second then meets the row
     /// like any duplicate.
     pub async fn insert_claims(
         &self,
         batch: &[NewClaim],
         held: &HeldConnection,
-    ) -> Result<Vec<Option<i64>>, StoreError> {
+    ) -> Result<Vec<Option<(i64, i64)>>, StoreError> {
         let Some(first) = batch.first() else {
             return Ok(Vec::new());
         };
@@ -54,7 +54,11 @@ impl SqlStore {
                         self.on_batch_connection(pool, held, async move |conn| {
                             let rows = query.fetch_all(conn).await?;
                             rows.iter()
-                                .map(|row| Ok((returned_key(row)?, row.try_get::<i64, _>(3)?)))
+                                .map(|row| {
+                                    let won =
+                                        (row.try_get::<i64, _>(3)?, row.try_get::<i64, _>(4)?);
+                                    Ok((returned_key(row)?, won))
+                                })
                                 .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
                         }),
                     )
@@ -82,7 +86,9 @@ impl SqlStore {
                                 .bind(retention)
                                 .fetch_optional(conn)
                                 .await?
-                                .map(|row| row.try_get::<i64, _>(0))
+                                .map(|row| {
+                                    Ok((row.try_get::<i64, _>(0)?, row.try_get::<i64, _>(1)?))
+                                })
                                 .transpose()
                         }),
                     )
@@ -107,7 +113,10 @@ impl SqlStore {
                             .bind(retention)
                             .fetch_optional(&mut *tx)
                             .await?;
-                        won.push(row.map(|r| r.try_get::<i64, _>(0)).transpose()?);
+                        won.push(
+                            row.map(|r| Ok::<_, sqlx::Error>((r.try_get(0)?, r.try_get(1)?)))
+                                .transpose()?,
+                        );
                     }
                     tx.commit().await?;
                     Ok(won)
@@ -118,12 +127,13 @@ impl SqlStore {
     }
 
     /// Stores many outcomes at once (see [`crate::store::batch`]); for each, the
-    /// retention left, or `None` where the epoch no longer holds the claim.
+    /// retention left and whether a duplicate waits for it, or `None` where
+    /// the epoch no longer holds the claim.
     pub async fn complete_many(
         &self,
         batch: &[Completion],
         held: &HeldConnection,
-    ) -> Result<Vec<Option<Duration>>, StoreError> {
+    ) -> Result<Vec<Option<(Duration, bool)>>, StoreError> {
         match &self.pool {
             Pool::Postgres(pool) => {
                 let mut columns = PgColumns::default();
@@ -146,7 +156,10 @@ impl SqlStore {
                         self.on_batch_connection(pool, held, async move |conn| {
                             let rows = query.fetch_all(conn).await?;
                             rows.iter()
-                                .map(|row| Ok((returned_key(row)?, left(row.try_get(3)?))))
+                                .map(|row| {
+                                    let done = (left(row.try_get(3)?), row.try_get::<bool, _>(4)?);
+                                    Ok((returned_key(row)?, done))
+                                })
                                 .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
                         }),
                     )
@@ -174,7 +187,15 @@ impl SqlStore {
                             .bind(&c.response.request_id)
                             .fetch_optional(&mut *tx)
                             .await?;
-                        accepted.push(row.map(|r| r.try_get::<i64, _>(0).map(left)).transpose()?);
+                        accepted.push(
+                            row.map(|r| {
+                                Ok::<_, sqlx::Error>((
+                                    left(r.try_get(0)?),
+                                    r.try_get::<bool, _>(1)?,
+                                ))
+                            })
+                            .transpose()?,
+                        );
                     }
                     tx.commit().await?;
                     Ok(accepted)

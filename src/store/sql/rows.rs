@@ -8,19 +8,53 @@ use sqlx::Row;
 use super::super::codec::decode_headers;
 use super::super::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse};
 
-/// What a claim answers when the record exists and could not be taken.
+/// What a claim answers when the record exists and could not be taken
+/// over (the takeover statement decided that; this only explains it).
 pub(super) fn answer_for(record: &Record, fingerprint: &str) -> Claim {
+    let now = record.read_at_ms;
+    let expires_at_ms = record.expires_at_ms;
+    let lease_left = Duration::from_millis((record.lease_until_ms - now).max(0) as u64);
+    if record.state == RecordState::Released {
+        // Free for any request: a concurrent claim took it between the
+        // takeover and this read. Claim again.
+        return Claim::InFlight {
+            retry_after: Duration::ZERO,
+            expires_at_ms,
+        };
+    }
+    if expires_at_ms <= now && !record.is_held() {
+        // Past its retention and not taken over: a tombstone (or a row a
+        // concurrent takeover is renewing; its next read tells).
+        return if record.fingerprint != fingerprint {
+            Claim::Mismatch { expires_at_ms }
+        } else if record.forgotten_at_ms > now {
+            Claim::Expired {
+                forgotten_at_ms: record.forgotten_at_ms,
+            }
+        } else {
+            Claim::InFlight {
+                retry_after: Duration::ZERO,
+                expires_at_ms,
+            }
+        };
+    }
     if record.fingerprint != fingerprint {
-        return Claim::Mismatch;
+        return Claim::Mismatch { expires_at_ms };
     }
     match (&record.state, &record.response) {
-        (RecordState::Completed, Some(response)) => Claim::Completed(response.clone()),
-        _ => {
-            let left = (record.lease_until_ms - record.read_at_ms).max(0) as u64;
-            Claim::InFlight {
-                retry_after: Duration::from_millis(left),
-            }
-        }
+        (RecordState::Completed, Some(response)) => Claim::Completed {
+            response: response.clone(),
+            expires_at_ms,
+        },
+        (RecordState::Uncertain, _) if !lease_left.is_zero() => Claim::Uncertain {
+            epoch: record.epoch,
+            retry_after: lease_left,
+            expires_at_ms,
+        },
+        _ => Claim::InFlight {
+            retry_after: lease_left,
+            expires_at_ms,
+        },
     }
 }
 
@@ -75,14 +109,19 @@ impl RawRecord {
         })
     }
 
-    pub(super) fn into_record(self) -> Result<Record, StoreError> {
+    /// The record, with its tombstone's end (`tombstone` after its
+    /// retention).
+    pub(super) fn into_record(self, tombstone: Duration) -> Result<Record, StoreError> {
         let state = RecordState::parse(&self.state)?;
         let response = match (state, self.status) {
             (RecordState::Completed, Some(status)) => Some(StoredResponse {
                 status: u16::try_from(status)
                     .map_err(|_| StoreError::Corrupt(format!("status {status}")))?,
-                headers: decode_headers(self.headers.as_deref().unwrap_or_default())
-                    .map_err(StoreError::Corrupt)?,
+                // A tombstone's answer was dropped by the sweeper.
+                headers: match self.headers.as_deref() {
+                    Some(bytes) => decode_headers(bytes).map_err(StoreError::Corrupt)?,
+                    None => Vec::new(),
+                },
                 body: Bytes::from(self.body.unwrap_or_default()),
                 body_kept: self.body_kept,
                 request_id: self.request_id.clone(),
@@ -104,6 +143,9 @@ impl RawRecord {
             created_at_ms: self.created_at,
             updated_at_ms: self.updated_at,
             expires_at_ms: self.expires_at,
+            forgotten_at_ms: self
+                .expires_at
+                .saturating_add(i64::try_from(tombstone.as_millis()).unwrap_or(i64::MAX / 4)),
             read_at_ms: self.read_at,
         })
     }

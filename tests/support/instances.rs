@@ -1,0 +1,124 @@
+//! Several real gateway processes (`idemgate serve`) on one store: what
+//! each instance knows must reach the others through the store (SPEC §1
+//! rule 8), so the tests that check a rule across instances run separate
+//! processes, with nothing shared but the database (and Redis).
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::{Http, eventually};
+
+/// One `idemgate serve` process.
+pub struct Instance {
+    child: Child,
+    /// The public listener.
+    pub public: SocketAddr,
+    /// The admin listener.
+    pub admin: SocketAddr,
+    /// Its config file (kept for a restart).
+    pub config: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Instance {
+    /// A URL on its public listener.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.public, path)
+    }
+
+    /// A URL on its admin listener.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A port free right now on 127.0.0.1.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// Starts `n` gateways, each with the config `body` (TOML without
+/// `[server]` listen keys, which are added) and waits until each answers.
+/// `server` is extra `[server]` keys.
+pub async fn start(n: usize, server: &str, body: &str) -> Vec<Instance> {
+    let mut instances = Vec::with_capacity(n);
+    for _ in 0..n {
+        instances.push(spawn(server, body, &[]));
+    }
+    for instance in &instances {
+        wait_ready(instance).await;
+    }
+    instances
+}
+
+/// One gateway process with `env` set, not yet known to be up.
+pub fn spawn(server: &str, body: &str, env: &[(&str, &str)]) -> Instance {
+    let dir = tempfile::tempdir().unwrap();
+    let public: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"{public}\"\nadmin_listen = \"{admin}\"\nworker_threads = 2\n\
+             header_read_timeout = \"5s\"\nshutdown_grace = \"10s\"\n{server}\n{body}"
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.path().join("gateway.log")).unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    command
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("IDEMGATE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(log);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let child = command.spawn().unwrap();
+    Instance {
+        child,
+        public,
+        admin,
+        config,
+        _dir: dir,
+    }
+}
+
+/// Waits until the instance's admin listener answers `/healthz`.
+pub async fn wait_ready(instance: &Instance) {
+    let http = Http::http1();
+    let url = instance.admin_url("/healthz");
+    let up = eventually(Duration::from_secs(20), || {
+        let (http, url) = (http.clone(), url.clone());
+        async move { http.try_send("GET", &url, &[], "").await.is_ok() }
+    })
+    .await;
+    if !up {
+        let log =
+            std::fs::read_to_string(instance._dir.path().join("gateway.log")).unwrap_or_default();
+        panic!("gateway on {} never came up:\n{log}", instance.public);
+    }
+}
+
+/// The log the instance wrote so far.
+pub fn log_of(instance: &Instance) -> String {
+    std::fs::read_to_string(instance._dir.path().join("gateway.log")).unwrap_or_default()
+}
