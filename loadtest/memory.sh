@@ -26,8 +26,8 @@ command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq ng
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --release -q --bins
-  BIN=target/release
+  cargo build --profile dist -q --bins
+  BIN=target/dist
 fi
 
 pids=()

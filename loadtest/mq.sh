@@ -8,10 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh >/dev/null
-cargo build --release -q --example mq_bench
+cargo build --profile dist -q --example mq_bench
 mkdir -p loadtest/results
 {
   echo "# MQ link: $(date -u +%FT%TZ), ${1:-5000} messages x ${2:-3} rounds, prefetch ${IDEMGATE_BENCH_PREFETCH:-32}"
   echo
-  target/release/examples/mq_bench "${1:-5000}" "${2:-3}"
+  target/dist/examples/mq_bench "${1:-5000}" "${2:-3}"
 } | tee loadtest/results/mq.md

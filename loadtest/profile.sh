@@ -17,8 +17,8 @@ command -v oha >/dev/null || cargo install oha --locked
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light || apt-get install -y -qq nginx; }
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
 # IDEMGATE_BIN_DIR: profile another build (e.g. the previous commit's).
-BIN=${IDEMGATE_BIN_DIR:-target/release}
-[ -n "${IDEMGATE_BIN_DIR:-}" ] || cargo build --release -q --bins
+BIN=${IDEMGATE_BIN_DIR:-target/dist}
+[ -n "${IDEMGATE_BIN_DIR:-}" ] || cargo build --profile dist -q --bins
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done

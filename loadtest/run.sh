@@ -27,8 +27,8 @@ scripts/services.sh >/dev/null
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --release -q --bins --example loadgen
-  BIN=target/release
+  cargo build --profile dist -q --bins --example loadgen
+  BIN=target/dist
 fi
 
 pids=()

@@ -14,8 +14,8 @@ PG_URL=${IDEMGATE_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 WORK=$(mktemp -d /tmp/idemgate-soak.XXXX)
 REDIS_PORT=18379
 scripts/services.sh >/dev/null
-cargo build --release -q --bins --example loadgen
-BIN=target/release
+cargo build --profile dist -q --bins --example loadgen
+BIN=target/dist
 SCHEMA=soak_$(date +%s)
 psql -q "$PG_URL" -c "CREATE SCHEMA $SCHEMA"
 pids=()
