@@ -13,7 +13,7 @@ use axum::routing::get;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::identity::client_scope;
+use crate::identity::Identity;
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -22,6 +22,9 @@ use crate::store::Store;
 pub struct AdminState {
     pub metrics: Arc<Metrics>,
     pub store: Store,
+    /// How `?client=` names a scope (the identity header's value, or a
+    /// JWT principal).
+    pub identity: Identity,
 }
 
 /// The admin router.
@@ -97,7 +100,7 @@ async fn show_key(
     Path((route, key)): Path<(String, String)>,
     Query(p): Query<ClientParam>,
 ) -> Response {
-    let scope = p.client.map(|c| client_scope(Some(c.as_bytes())));
+    let scope = p.client.map(|c| state.identity.scope_for_operator(&c));
     match state.store.find_for_operator(&route, &key).await {
         Ok(records) => {
             let records: Vec<_> = records
@@ -121,7 +124,7 @@ async fn purge_key(
     Path((route, key)): Path<(String, String)>,
     Query(p): Query<ClientParam>,
 ) -> Response {
-    let scope = p.client.map(|c| client_scope(Some(c.as_bytes())));
+    let scope = p.client.map(|c| state.identity.scope_for_operator(&c));
     match state
         .store
         .purge_for_operator(&route, &key, scope.as_deref())

@@ -38,6 +38,8 @@ const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 const DEFAULT_BODY_READ_TIMEOUT: &str = "30s";
 const DEFAULT_SHUTDOWN_GRACE: &str = "30s";
 const DEFAULT_HTTP2: bool = true;
+/// `server.cors.max_age`: what Chromium caps a preflight cache at.
+const DEFAULT_CORS_MAX_AGE: &str = "2h";
 /// `upstreams[].max_connections`: no cap, as nginx (`max_conns`) and
 /// HAProxy (`maxconn` per server) default to.
 const DEFAULT_UPSTREAM_MAX_CONNECTIONS: usize = 0;
@@ -58,6 +60,8 @@ const DEFAULT_TOMBSTONE: &str = "0s";
 
 const DEFAULT_TOKEN_TTL: &str = "10m";
 const DEFAULT_IDENTITY_HEADER: &str = "Authorization";
+const DEFAULT_JWT_CLAIM: &str = "sub";
+const DEFAULT_JWT_LEEWAY: &str = "60s";
 const DEFAULT_UPSTREAM_TIMEOUT: &str = "10s";
 const DEFAULT_SIGNATURE_TOLERANCE: &str = "300s";
 
@@ -124,6 +128,28 @@ pub struct ServerConfig {
     /// `[server.tls]`: terminate TLS on the public listener.
     #[serde(default)]
     pub tls: Option<ServerTlsConfig>,
+    /// `[server.cors]`: browser clients on other origins.
+    #[serde(default)]
+    pub cors: Option<CorsConfig>,
+}
+
+/// `[server.cors]`: which other origins' scripts may call the gateway.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CorsConfig {
+    /// `scheme://host[:port]` of each allowed origin (empty: CORS off).
+    #[serde(default)]
+    pub allow_origins: Vec<String>,
+    /// Request headers allowed besides `Content-Type`, `Idempotency-Key`,
+    /// `Idempotency-Token` and `X-Request-Id` (e.g. `Authorization`).
+    #[serde(default)]
+    pub allow_headers: Vec<String>,
+    /// Let scripts send cookies and credentials (a cookie session).
+    #[serde(default)]
+    pub allow_credentials: bool,
+    /// How long a browser may cache a preflight's answer.
+    #[serde(default = "default_cors_max_age")]
+    pub max_age: HumanDuration,
 }
 
 /// `[server.tls]`: the public listener's certificate chain and key (PEM).
@@ -177,16 +203,51 @@ pub struct StoreConfig {
 pub struct TokenConfig {
     #[serde(default = "default_token_ttl")]
     pub ttl: HumanDuration,
+    /// The HMAC secret (a one-element `secrets`).
     #[serde(default)]
     pub secret: String,
+    /// Rotation: sign with the first, verify with any.
+    #[serde(default)]
+    pub secrets: Vec<String>,
+    /// Tokens one principal may be issued per minute (0: no limit); past
+    /// it `429` with `Retry-After`.
+    #[serde(default)]
+    pub issue_per_minute: u32,
 }
 
-/// `[identity]`: which request header identifies a client.
+/// `[identity]`: who a client is (see [`crate::identity`]).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IdentityConfig {
+    /// The header that identifies a client (hashed); with `[identity.jwt]`
+    /// the header carrying `Bearer <jwt>`.
     #[serde(default = "default_identity_header")]
     pub header: String,
+    /// `[identity.jwt]`: scope by a verified claim instead.
+    #[serde(default)]
+    pub jwt: Option<JwtConfig>,
+}
+
+/// `[identity.jwt]`: the principal is a verified JWT's claim.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtConfig {
+    /// The claim naming the principal.
+    #[serde(default = "default_jwt_claim")]
+    pub claim: String,
+    /// HS256: the shared secret (at least 32 bytes)…
+    pub hs256_secret: Option<String>,
+    /// …or the environment variable holding it.
+    pub hs256_secret_env: Option<String>,
+    /// RS256/ES256: a JWKS file (`{"keys": […]}`), read at start-up.
+    pub jwks_file: Option<String>,
+    /// Required `iss` (and part of the principal).
+    pub issuer: Option<String>,
+    /// Required `aud`.
+    pub audience: Option<String>,
+    /// Clock skew allowed on `exp` and `nbf`.
+    #[serde(default = "default_jwt_leeway")]
+    pub leeway: HumanDuration,
 }
 
 /// `[[upstreams]]`: a service requests are forwarded to.
@@ -243,6 +304,10 @@ pub struct RouteConfig {
     pub on_concurrent: OnConcurrent,
     #[serde(default)]
     pub business_key: Vec<String>,
+    /// Callback routes: fields a redelivery with the same business key must
+    /// repeat (same sources as `business_key`), else `422`.
+    #[serde(default)]
+    pub must_match: Vec<String>,
     /// Callback routes: verify the sender's signature first.
     pub signature: Option<SignatureConfig>,
     /// A status endpoint on the upstream (`{key}` = the stable key), asked
@@ -443,6 +508,12 @@ fn default_token_ttl() -> HumanDuration {
 fn default_identity_header() -> String {
     DEFAULT_IDENTITY_HEADER.into()
 }
+fn default_jwt_claim() -> String {
+    DEFAULT_JWT_CLAIM.into()
+}
+fn default_jwt_leeway() -> HumanDuration {
+    DEFAULT_JWT_LEEWAY.into()
+}
 fn default_upstream_max_connections() -> usize {
     DEFAULT_UPSTREAM_MAX_CONNECTIONS
 }
@@ -451,6 +522,9 @@ fn default_upstream_timeout() -> HumanDuration {
 }
 fn default_signature_tolerance() -> HumanDuration {
     DEFAULT_SIGNATURE_TOLERANCE.into()
+}
+fn default_cors_max_age() -> HumanDuration {
+    DEFAULT_CORS_MAX_AGE.into()
 }
 fn default_require_key() -> bool {
     true
@@ -472,6 +546,7 @@ impl Default for ServerConfig {
             shutdown_grace: default_shutdown_grace(),
             http2: DEFAULT_HTTP2,
             tls: None,
+            cors: None,
         }
     }
 }
@@ -500,6 +575,8 @@ impl Default for TokenConfig {
         TokenConfig {
             ttl: default_token_ttl(),
             secret: String::new(),
+            secrets: Vec::new(),
+            issue_per_minute: 0,
         }
     }
 }
@@ -508,6 +585,7 @@ impl Default for IdentityConfig {
     fn default() -> Self {
         IdentityConfig {
             header: default_identity_header(),
+            jwt: None,
         }
     }
 }
@@ -603,6 +681,17 @@ impl Config {
     /// The upstream a route names (validation guarantees it exists).
     pub fn upstream(&self, name: &str) -> Option<&UpstreamConfig> {
         self.upstreams.iter().find(|u| u.name == name)
+    }
+}
+
+impl TokenConfig {
+    /// The token secrets, newest first: `secrets`, or `secret` alone.
+    pub fn secret_list(&self) -> Vec<&str> {
+        if self.secrets.is_empty() {
+            vec![self.secret.as_str()]
+        } else {
+            self.secrets.iter().map(String::as_str).collect()
+        }
     }
 }
 

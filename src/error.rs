@@ -36,6 +36,7 @@ pub struct Problem {
 struct Extras {
     retry_after: Option<u64>,
     allow: Option<String>,
+    www_authenticate: Option<&'static str>,
     log: Option<ProblemLog>,
 }
 
@@ -90,6 +91,12 @@ impl Problem {
         self
     }
 
+    /// Adds `WWW-Authenticate` (for 401, RFC 9110 §11.6.1).
+    pub fn www_authenticate(mut self, challenge: &'static str) -> Self {
+        self.extras().www_authenticate = Some(challenge);
+        self
+    }
+
     /// Records the internal cause for the log line.
     pub fn logged(mut self, layer: &'static str, cause: impl Into<String>) -> Self {
         self.extras().log = Some(ProblemLog {
@@ -119,6 +126,12 @@ impl Problem {
         }
         if let Some(allow) = extras.allow.and_then(|a| HeaderValue::from_str(&a).ok()) {
             headers.insert(header::ALLOW, allow);
+        }
+        if let Some(challenge) = extras.www_authenticate {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static(challenge),
+            );
         }
         response.extensions_mut().insert(ProblemReason(self.reason));
         if let Some(log) = extras.log {

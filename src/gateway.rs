@@ -11,12 +11,12 @@ use tokio::task::JoinHandle;
 
 use std::collections::BTreeSet;
 
-use http::HeaderName;
 use tower::Layer;
 
 use crate::callback::{CallbackPolicy, KeySource, Verifier};
 use crate::config::{Config, Idempotency, PathMatch, RouteKind, RouteMatcher};
 use crate::idempotency::{Engine, EngineSettings, Holders, IdempotencyLayer, KeyPolicy, Reconcile};
+use crate::identity::Identity;
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, StatusEndpoint, Upstream};
 use crate::router::{Route, RouteService, Router, TowerHandler};
@@ -131,7 +131,12 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     let purge_follower = memory
         .clone()
         .map(|memory| crate::store::purges::follow(store.sql().clone(), memory));
-    let (token_keys, random_secret) = TokenKeys::new(&config.tokens.secret);
+    let (token_keys, random_secret) = TokenKeys::rotating(&config.tokens.secret_list());
+    // Loaded once (a JWKS file is read here), shared by every worker.
+    let identity = config
+        .identity
+        .identity()
+        .map_err(|(route, reason)| StartError::Route { route, reason })?;
     let threads = match config.server.worker_threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
@@ -155,6 +160,10 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         token_keys: Arc::new(token_keys),
         workers: threads,
         holders: Arc::new(Holders::default()),
+        identity: identity.clone(),
+        // One limit for the process, not one per worker.
+        token_limit: crate::token::IssueLimit::per_minute(config.tokens.issue_per_minute)
+            .map(Arc::new),
     });
     // Build once here so that a bad route fails the start, not a thread.
     let token_routes = build_router(&shared, &store)?.1;
@@ -256,6 +265,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     let admin_app = crate::admin::router(crate::admin::AdminState {
         metrics: metrics.clone(),
         store: store.clone(),
+        identity,
     });
     let mut admin_signal = signal;
     let admin_task = tokio::spawn(async move {
@@ -303,6 +313,10 @@ struct Shared {
     workers: usize,
     /// Every claim this process holds, across workers.
     holders: Arc<Holders>,
+    /// Who a client is.
+    identity: Identity,
+    /// `tokens.issue_per_minute`, shared by every worker.
+    token_limit: Option<Arc<crate::token::IssueLimit>>,
 }
 
 /// One public-listener thread: its own event loop, socket and stacks.
@@ -449,6 +463,12 @@ fn build_consumers(
             .map(|s| MessageKeySource::parse(s))
             .collect::<Result<Vec<_>, _>>()
             .map_err(fail)?;
+        let must_match = c
+            .must_match
+            .iter()
+            .map(|s| MessageKeySource::parse(s))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(fail)?;
         let settings = ConsumerSettings {
             name: c.name.as_str().into(),
             source,
@@ -457,6 +477,7 @@ fn build_consumers(
                 .parse()
                 .map_err(|_| fail(format!("{:?} is not a path", c.path)))?,
             sources: sources.into(),
+            must_match: must_match.into(),
             prefetch: c.prefetch,
             max_deliveries: c.max_deliveries,
             retry_delay: c.retry_delay.get(),
@@ -467,7 +488,8 @@ fn build_consumers(
             store.clone(),
             EngineSettings {
                 route: c.name.as_str().into(),
-                identity_header: HeaderName::from_static("authorization"),
+                // Never read: a message's records are the consumer's.
+                identity: shared.identity.clone(),
                 max_body_bytes: config.server.max_body_bytes,
                 body_read_timeout: config.server.body_read_timeout.get(),
                 max_stored_body_bytes: config.store.max_stored_body_bytes,
@@ -508,15 +530,6 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
         token_keys,
         ..
     } = shared;
-    let identity_header: HeaderName =
-        config
-            .identity
-            .header
-            .parse()
-            .map_err(|_| StartError::Route {
-                route: "identity.header".into(),
-                reason: "not a header name".into(),
-            })?;
     let token_routes: BTreeSet<String> = config
         .routes
         .iter()
@@ -558,7 +571,7 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
             store.clone(),
             EngineSettings {
                 route: r.name.as_str().into(),
-                identity_header: identity_header.clone(),
+                identity: shared.identity.clone(),
                 max_body_bytes: config.server.max_body_bytes,
                 body_read_timeout: config.server.body_read_timeout.get(),
                 max_stored_body_bytes: config.store.max_stored_body_bytes,
@@ -600,9 +613,15 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
                     .map(|sig| Verifier::new(sig.spec(), |name| std::env::var(name).ok()))
                     .transpose()
                     .map_err(fail)?;
+                let must_match = r
+                    .must_match
+                    .iter()
+                    .map(|s| KeySource::parse(s))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(fail)?;
+                let policy = CallbackPolicy::new(sources, verifier).with_must_match(must_match);
                 Arc::new(TowerHandler(
-                    IdempotencyLayer::new(engine, CallbackPolicy::new(sources, verifier))
-                        .layer(proxy),
+                    IdempotencyLayer::new(engine, policy).layer(proxy),
                 ))
             }
         };
@@ -619,15 +638,25 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
             methods: vec![http::Method::GET, http::Method::POST],
             path: PathMatch::Exact("/token".into()),
         },
-        service: Arc::new(TowerHandler(TokenEndpoint::new(
-            token_keys.clone(),
-            config.tokens.ttl.get(),
-            identity_header,
-            token_routes.clone(),
-        ))),
+        service: Arc::new(TowerHandler(
+            TokenEndpoint::new(
+                token_keys.clone(),
+                config.tokens.ttl.get(),
+                shared.identity.clone(),
+                token_routes.clone(),
+            )
+            .with_limit(shared.token_limit.clone()),
+        )),
         counters: metrics.route("token"),
     };
-    Ok((Router::new(routes, Some(token)), token_routes))
+    let cors = config
+        .server
+        .cors_policy()
+        .map_err(|reason| StartError::Route {
+            route: "server.cors".into(),
+            reason,
+        })?;
+    Ok((Router::with_cors(routes, Some(token), cors), token_routes))
 }
 
 /// A URL without its password, for messages.

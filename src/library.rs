@@ -51,6 +51,7 @@ use http::HeaderName;
 use crate::callback::KeySource;
 use crate::config::StoreConfig;
 use crate::idempotency::{Engine, EngineSettings, Holders};
+use crate::identity::Identity;
 use crate::metrics::Metrics;
 use crate::store::Store;
 use crate::token::TokenKeys;
@@ -211,7 +212,7 @@ impl Idempotency {
             self.inner.store.clone(),
             EngineSettings {
                 route: route.into(),
-                identity_header: s.identity_header.clone(),
+                identity: Identity::header(s.identity_header.clone()),
                 max_body_bytes: s.max_body_bytes,
                 body_read_timeout: s.body_read_timeout,
                 max_stored_body_bytes: s.store.max_stored_body_bytes,
@@ -248,7 +249,7 @@ impl Idempotency {
         TokenEndpoint::new(
             self.inner.keys.clone(),
             self.inner.settings.token_ttl,
-            self.inner.settings.identity_header.clone(),
+            Identity::header(self.inner.settings.identity_header.clone()),
             routes,
         )
     }

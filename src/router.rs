@@ -25,11 +25,13 @@ use axum::body::Body;
 use http::{HeaderValue, Request, Response};
 use tower::{Service, ServiceExt};
 
+mod cors;
 mod matcher;
 
 use crate::error::{Problem, ProblemLog, ProblemReason};
 use crate::metrics::{Outcome, RouteCounters};
 use crate::request_id::{self, X_REQUEST_ID};
+pub use cors::CorsPolicy;
 pub use matcher::{PathMatch, RouteMatcher};
 
 /// The future a [`Handler`] answers with.
@@ -100,14 +102,39 @@ pub struct Router {
 struct Inner {
     routes: Vec<Route>,
     token: Option<Route>,
+    cors: Option<CorsPolicy>,
 }
 
 impl Router {
     /// A router over `routes`; `token` answers `/token` when present.
     pub fn new(routes: Vec<Route>, token: Option<Route>) -> Self {
+        Self::with_cors(routes, token, None)
+    }
+
+    /// [`Self::new`], answering browsers of other origins as `cors` says.
+    pub fn with_cors(routes: Vec<Route>, token: Option<Route>, cors: Option<CorsPolicy>) -> Self {
         Router {
-            inner: Arc::new(Inner { routes, token }),
+            inner: Arc::new(Inner {
+                routes,
+                token,
+                cors,
+            }),
         }
+    }
+
+    /// The methods the routes of `path` take (a preflight's answer).
+    fn methods_of(&self, path: &str) -> String {
+        let token = self
+            .inner
+            .token
+            .iter()
+            .filter(|t| t.matcher.matches_path(path));
+        let routes = self
+            .inner
+            .routes
+            .iter()
+            .filter(|r| r.matcher.matches_path(path));
+        allow_list(token.chain(routes))
     }
 
     fn find(&self, req: &Request<Body>) -> Result<&Route, RouteError> {
@@ -243,6 +270,20 @@ impl Router {
     /// the request's `X-Request-Id` (kept from the client, or a new one).
     pub fn handle(&self, mut req: Request<Body>) -> RouterFuture {
         let request_id = request_id::ensure(req.headers_mut());
+        let mut origin = None;
+        if let Some(cors) = &self.inner.cors {
+            if CorsPolicy::is_preflight(&req) {
+                // Never forwarded: the upstream sees no preflight.
+                let mut response = cors.preflight(&req, &self.methods_of(req.uri().path()));
+                response.headers_mut().insert(X_REQUEST_ID, request_id);
+                return RouterFuture {
+                    state: State::Answered(Some(response)),
+                    cors: None,
+                };
+            }
+            origin = Some(cors.allowed_origin(req.headers()));
+        }
+        let cors = origin.map(|origin| (self.clone(), origin));
         let route = match self.find(&req) {
             Ok(route) => route,
             Err(e) => {
@@ -258,6 +299,7 @@ impl Router {
                 response.headers_mut().insert(X_REQUEST_ID, request_id);
                 return RouterFuture {
                     state: State::Answered(Some(response)),
+                    cors,
                 };
             }
         };
@@ -268,6 +310,7 @@ impl Router {
                 counters: route.counters.clone(),
                 request_id: Some(request_id),
             },
+            cors,
         }
     }
 }
@@ -275,6 +318,9 @@ impl Router {
 /// The answer of [`Router::handle`].
 pub struct RouterFuture {
     state: State,
+    /// With `[server.cors]`: the router (its policy) and the request's
+    /// origin if listed, for the answer's CORS headers.
+    cors: Option<(Router, Option<HeaderValue>)>,
 }
 
 enum State {
@@ -322,7 +368,13 @@ impl Future for RouterFuture {
                 Some(response)
             }
         };
-        Poll::Ready(Ok(response.expect("RouterFuture polled after completion")))
+        let mut response = response.expect("RouterFuture polled after completion");
+        if let Some((router, origin)) = this.cors.take()
+            && let Some(cors) = &router.inner.cors
+        {
+            cors.decorate(origin, response.headers_mut());
+        }
+        Poll::Ready(Ok(response))
     }
 }
 

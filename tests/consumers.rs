@@ -186,6 +186,44 @@ async fn amqp_messages_without_a_usable_key_are_dead_lettered_and_never_forwarde
     stack.shutdown().await;
 }
 
+/// A message is identified by its key, not its bytes: a producer's
+/// re-publish with a new timestamp is a duplicate (acked, not forwarded);
+/// one whose `must_match` field differs is dead-lettered, never forwarded.
+#[tokio::test]
+async fn amqp_a_restamped_message_is_a_duplicate_and_another_amount_a_dead_letter() {
+    let Some(queue) = Queue::new("amqp_restamped").await else {
+        return;
+    };
+    let extra = r#"must_match = ["json:/amount"]"#;
+    let stack = Stack::start(&queue.consumer("pay", "/actions/restamp", extra)).await;
+    for stamp in 1..=3 {
+        let body = format!(r#"{{"amount":100,"sent_at":{stamp}}}"#);
+        queue.publish(Some("pay-1"), body.as_bytes(), &[]).await;
+    }
+    let acked = eventually(WAIT, || async {
+        metric(&stack, "pay", "forwarded").await + metric(&stack, "pay", "duplicate").await == 3
+    })
+    .await;
+    assert!(
+        acked,
+        "the re-stamped copies were not acknowledged as duplicates"
+    );
+    queue
+        .publish(Some("pay-1"), br#"{"amount":999,"sent_at":4}"#, &[])
+        .await;
+    let dead = eventually(WAIT, || async {
+        metric(&stack, "pay", "dead_lettered").await == 1
+    })
+    .await;
+    assert!(
+        dead,
+        "another amount under the same key was not dead-lettered"
+    );
+    assert_eq!(executions(&stack, "restamp"), 1);
+    assert_eq!(queue.ready(&queue.dlq()).await, 1);
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn nats_failures_and_keyless_messages_go_to_the_dlq_subject() {
     let Some(stream) = Stream::new("nats_dlq", None).await else {

@@ -279,6 +279,7 @@ async fn keys_are_logged_by_prefix_and_hash_never_raw() {
             upstream = "demo"
             kind = "callback"
             business_key = ["json:/id"]
+            must_match = ["json:/n"]
             "#,
             upstream.addr
         ),
@@ -304,7 +305,8 @@ async fn keys_are_logged_by_prefix_and_hash_never_raw() {
         refused.problem_type(),
         "urn:idemgate:problem:business-key-invalid"
     );
-    // A plain key reused for another request: logged, but never raw.
+    // A plain key redelivered with another must_match field: logged as an
+    // error, but the key never raw.
     let first = r#"{"id":"secret-key-123","n":1}"#;
     assert_eq!(http.send("POST", &url, &[], first).await.status, 200);
     let reused = r#"{"id":"secret-key-123","n":2}"#;
@@ -312,7 +314,7 @@ async fn keys_are_logged_by_prefix_and_hash_never_raw() {
     child.kill().unwrap();
     let output = child.wait_with_output().unwrap();
     let log = String::from_utf8_lossy(&output.stderr);
-    assert!(log.contains("reused"), "{log}");
+    assert!(log.contains("must_match"), "{log}");
     assert!(
         log.contains("secr…#"),
         "the key is named by prefix and hash: {log}"

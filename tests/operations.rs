@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idemgate::identity::client_scope;
+use idemgate::identity::{ANONYMOUS_SCOPE, Identity};
 use idemgate::store::{Claim, RecordKey, StoredResponse};
 use support::services::{self, FaultProxy, Mode};
 use support::{PASS_THROUGH, Stack};
@@ -82,7 +82,11 @@ async fn admin_keys_show_and_purge_records() {
     let stack = Stack::start(PASS_THROUGH).await;
     let store = &stack.gateway.store;
     for client in ["Bearer alice", "Bearer bob"] {
-        let key = RecordKey::new(client_scope(Some(client.as_bytes())), "orders", "k/1");
+        let key = RecordKey::new(
+            Identity::header(http::header::AUTHORIZATION).scope_for_operator(client),
+            "orders",
+            "k/1",
+        );
         let Claim::Won { epoch, .. } = store.claim(&key, "fp", "rid").await.unwrap() else {
             panic!()
         };
@@ -165,7 +169,7 @@ async fn migrate_keys_and_sweep_commands_work_on_the_embedded_store() {
     })
     .await
     .unwrap();
-    let key = RecordKey::new(client_scope(None), "orders", "key-1");
+    let key = RecordKey::new(ANONYMOUS_SCOPE, "orders", "key-1");
     let Claim::Won { epoch, .. } = sql
         .claim(
             &key,

@@ -59,7 +59,8 @@ impl KeySource {
         }
     }
 
-    fn describe(&self) -> String {
+    /// The source as written in the config.
+    pub fn describe(&self) -> String {
         match self {
             KeySource::Json(p) => format!("json:{p}"),
             KeySource::Header(h) => format!("header:{h}"),
@@ -150,6 +151,41 @@ pub fn join_key_values(values: Vec<String>) -> Result<String, KeyError> {
         });
     }
     Ok(key)
+}
+
+/// The values of `must_match` sources as the fingerprint takes them: a
+/// JSON value as its JSON text (any value; an object compares as written),
+/// a header or query parameter as sent; `None` when absent. Never refuses:
+/// an absent or unreadable field only differs from a present one.
+pub fn match_values(sources: &[KeySource], parts: &Parts, body: &Bytes) -> Vec<Option<String>> {
+    let json: Option<serde_json::Value> = sources
+        .iter()
+        .any(|s| matches!(s, KeySource::Json(_)))
+        .then(|| serde_json::from_slice(body).ok())
+        .flatten();
+    sources
+        .iter()
+        .map(|source| match source {
+            KeySource::Json(pointer) => json
+                .as_ref()
+                .and_then(|doc| doc.pointer(pointer))
+                .map(|v| v.to_string()),
+            KeySource::Header(name) => {
+                let values: Vec<_> = parts
+                    .headers
+                    .get_all(name)
+                    .iter()
+                    .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                    .collect();
+                (!values.is_empty()).then(|| values.join(", "))
+            }
+            KeySource::Query(name) => {
+                url::form_urlencoded::parse(parts.uri.query().unwrap_or_default().as_bytes())
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.into_owned())
+            }
+        })
+        .collect()
 }
 
 /// Reads every source and joins them into one key.

@@ -7,6 +7,9 @@ mod key;
 mod policy;
 pub mod signature;
 
-pub use key::{KeyError, KeySource, MAX_KEY_BYTES, business_key, check_key_value, join_key_values};
+pub use key::{
+    KeyError, KeySource, MAX_KEY_BYTES, business_key, check_key_value, join_key_values,
+    match_values,
+};
 pub use policy::{CallbackPolicy, ROUTE_SCOPE};
 pub use signature::{SignatureError, SignatureScheme, SignatureSpec, Verifier};

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::StatusCode;
 use http::request::Parts;
 
-use super::key::{KeySource, business_key};
+use super::key::{KeySource, business_key, match_values};
 use super::signature::Verifier;
 use crate::error::Problem;
 use crate::idempotency::{Head, Policy};
@@ -19,6 +19,10 @@ use crate::store::RecordKey;
 pub struct CallbackPolicy {
     sources: Arc<[KeySource]>,
     verifier: Option<Arc<Verifier>>,
+    /// Fields a redelivery must repeat (`routes[].must_match`), and their
+    /// names as configured.
+    must_match: Arc<[KeySource]>,
+    must_match_names: Arc<[String]>,
 }
 
 impl CallbackPolicy {
@@ -27,7 +31,17 @@ impl CallbackPolicy {
         CallbackPolicy {
             sources: sources.into(),
             verifier: verifier.map(Arc::new),
+            must_match: Arc::new([]),
+            must_match_names: Arc::new([]),
         }
+    }
+
+    /// Fields a redelivery with the same business key must repeat; one that
+    /// differs is refused `422` (and logged as an error).
+    pub(crate) fn with_must_match(mut self, fields: Vec<KeySource>) -> Self {
+        self.must_match_names = fields.iter().map(KeySource::describe).collect();
+        self.must_match = fields.into();
+        self
     }
 }
 
@@ -38,6 +52,21 @@ pub const ROUTE_SCOPE: &str = "route";
 
 impl Policy for CallbackPolicy {
     const LAYER: &'static str = "callback";
+
+    const CLIENT_SCOPED: bool = false;
+
+    /// A redelivery is the same delivery whenever its business key is:
+    /// providers re-stamp retries (`notify_time`, attempt counters), and a
+    /// whole-body fingerprint would refuse them forever (SPEC §1 rule 9).
+    fn fingerprint(&self, parts: &Parts, body: &Bytes, key: &str) -> Option<String> {
+        let values = match_values(&self.must_match, parts, body);
+        let fields = self
+            .must_match_names
+            .iter()
+            .zip(&values)
+            .map(|(name, value)| (name.as_str(), value.as_deref()));
+        Some(crate::idempotency::body::key_fingerprint(key, fields))
+    }
 
     fn record_key(&self, _client_scope: String, route: &str, key: String) -> RecordKey {
         // Providers rotate their credentials between redeliveries (Pub/Sub

@@ -123,11 +123,11 @@ async fn open_store(config: &Config) -> Result<crate::store::Store, String> {
 
 async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
     let store = open_store(config).await?;
-    let scope = |client: &Option<String>| {
-        client
-            .as_ref()
-            .map(|c| crate::identity::client_scope(Some(c.as_bytes())))
-    };
+    let identity = config
+        .identity
+        .identity()
+        .map_err(|(key, reason)| format!("{key}: {reason}"))?;
+    let scope = |client: &Option<String>| client.as_ref().map(|c| identity.scope_for_operator(c));
     match action {
         KeysAction::Show { route, key, client } => {
             let scope = scope(&client);

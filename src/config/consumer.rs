@@ -33,6 +33,10 @@ pub struct ConsumerConfig {
     pub path: String,
     #[serde(default = "default_business_key")]
     pub business_key: Vec<String>,
+    /// Fields a redelivery with the same key must repeat (same sources as
+    /// `business_key`); one that differs is dead-lettered and logged.
+    #[serde(default)]
+    pub must_match: Vec<String>,
     /// Messages in flight at once (AMQP prefetch, NATS max ack pending).
     #[serde(default = "default_prefetch")]
     pub prefetch: u16,
@@ -172,6 +176,11 @@ impl ConsumerConfig {
         for source in &self.business_key {
             if let Err(reason) = MessageKeySource::parse(source) {
                 add(key("business_key"), reason);
+            }
+        }
+        for source in &self.must_match {
+            if let Err(reason) = MessageKeySource::parse(source) {
+                add(key("must_match"), reason);
             }
         }
         if let Some(dead) = &self.dead_letter {

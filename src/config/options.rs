@@ -34,6 +34,81 @@ impl StoreConfig {
     }
 }
 
+impl ServerConfig {
+    /// The CORS policy of `[server.cors]` (`None`: off, or no origin).
+    pub fn cors_policy(&self) -> Result<Option<crate::router::CorsPolicy>, String> {
+        match &self.cors {
+            Some(c) if !c.allow_origins.is_empty() => crate::router::CorsPolicy::new(
+                &c.allow_origins,
+                &c.allow_headers,
+                c.allow_credentials,
+                c.max_age.get(),
+            )
+            .map(Some),
+            _ => Ok(None),
+        }
+    }
+}
+
+impl IdentityConfig {
+    /// Who a client is, keys loaded (the JWKS file read, the secret taken
+    /// from the environment); why not, naming the key.
+    pub fn identity(&self) -> Result<crate::identity::Identity, (String, String)> {
+        let header: http::HeaderName = self.header.parse().map_err(|_| {
+            (
+                "identity.header".to_owned(),
+                format!("{:?} is not a header name", self.header),
+            )
+        })?;
+        let Some(jwt) = &self.jwt else {
+            return Ok(crate::identity::Identity::header(header));
+        };
+        let fail = |key: &str, reason: String| (format!("identity.jwt.{key}"), reason);
+        let keys = match (&jwt.hs256_secret, &jwt.hs256_secret_env, &jwt.jwks_file) {
+            (Some(secret), None, None) => {
+                crate::identity::JwtKeys::Hs256(secret.as_bytes().to_vec())
+            }
+            (None, Some(var), None) => match std::env::var(var) {
+                Ok(secret) => crate::identity::JwtKeys::Hs256(secret.into_bytes()),
+                Err(_) => {
+                    return Err(fail(
+                        "hs256_secret_env",
+                        format!("the environment variable {var:?} is not set"),
+                    ));
+                }
+            },
+            (None, None, Some(path)) => match std::fs::read_to_string(path) {
+                Ok(text) => crate::identity::JwtKeys::Jwks(text),
+                Err(e) => return Err(fail("jwks_file", format!("{path:?}: {e}"))),
+            },
+            _ => {
+                return Err(fail(
+                    "hs256_secret",
+                    "set exactly one of hs256_secret, hs256_secret_env or jwks_file".into(),
+                ));
+            }
+        };
+        let key = match &keys {
+            crate::identity::JwtKeys::Hs256(_) if jwt.hs256_secret_env.is_some() => {
+                "hs256_secret_env"
+            }
+            crate::identity::JwtKeys::Hs256(_) => "hs256_secret",
+            crate::identity::JwtKeys::Jwks(_) => "jwks_file",
+        };
+        let settings = crate::identity::JwtSettings {
+            header,
+            claim: jwt.claim.clone(),
+            keys,
+            issuer: jwt.issuer.clone(),
+            audience: jwt.audience.clone(),
+            leeway: jwt.leeway.get(),
+        };
+        crate::identity::JwtIdentity::new(&settings)
+            .map(|verifier| crate::identity::Identity::Jwt(std::sync::Arc::new(verifier)))
+            .map_err(|reason| fail(key, reason))
+    }
+}
+
 impl SignatureConfig {
     /// What the callback layer builds its verifier from.
     pub fn spec(&self) -> crate::callback::SignatureSpec<'_> {

@@ -130,13 +130,55 @@ impl Config {
         if self.store.pool_size == 0 {
             add("store.pool_size".into(), "must be above zero".into());
         }
-        if self.identity.header.parse::<http::HeaderName>().is_err() {
-            add(
-                "identity.header".into(),
-                format!("{:?} is not a header name", self.identity.header),
-            );
+        if let Some(reason) = self
+            .identity
+            .jwt
+            .as_ref()
+            .and_then(|j| j.leeway.problem_unless_zero())
+        {
+            add("identity.jwt.leeway".into(), reason);
+        }
+        if let Err((key, reason)) = self.identity.identity() {
+            add(key, reason);
         }
 
+        if !self.tokens.secret.is_empty() && !self.tokens.secrets.is_empty() {
+            add(
+                "tokens.secrets".into(),
+                "set tokens.secret or tokens.secrets, not both (IDEMGATE_TOKEN_SECRET sets \
+                 tokens.secret): secrets = [\"new\", \"old\"] signs with the first and verifies \
+                 with any"
+                    .into(),
+            );
+        }
+        if self.tokens.secrets.iter().any(String::is_empty) {
+            add("tokens.secrets".into(), "a secret must not be empty".into());
+        }
+        if let Some(cors) = &self.server.cors {
+            if let Some(reason) = cors.max_age.problem_unless_zero() {
+                add("server.cors.max_age".into(), reason);
+            }
+            for origin in &cors.allow_origins {
+                // Exactly what a browser sends as `Origin`: the serialised
+                // origin (RFC 6454 §6.1), compared byte for byte.
+                let ok = url::Url::parse(origin).is_ok_and(|u| {
+                    matches!(u.scheme(), "http" | "https")
+                        && u.origin().ascii_serialization() == origin.trim_end_matches('/')
+                });
+                if !ok {
+                    add(
+                        "server.cors.allow_origins".into(),
+                        format!(
+                            "{origin:?} is not an origin like \"https://shop.example\" (scheme, host, \
+                             optional port; no path, no wildcard)"
+                        ),
+                    );
+                }
+            }
+            if let Err(reason) = self.server.cors_policy() {
+                add("server.cors".into(), reason);
+            }
+        }
         if let Err((key, reason)) = check_server_tls(&self.server) {
             add(key, reason);
         }
@@ -425,6 +467,13 @@ impl Config {
                         "only callback routes verify signatures (set kind = \"callback\")".into(),
                     );
                 }
+                if !r.must_match.is_empty() {
+                    add(
+                        key("must_match"),
+                        "only callback routes are identified by a business key (set kind = \"callback\")"
+                            .into(),
+                    );
+                }
             }
             RouteKind::Callback => {
                 match r.idempotency {
@@ -483,6 +532,11 @@ impl Config {
                         );
                     }
                 }
+                for source in &r.must_match {
+                    if let Err(reason) = crate::callback::KeySource::parse(source) {
+                        add(key("must_match"), reason);
+                    }
+                }
                 if let Some(sig) = &r.signature {
                     if sig.secrets.is_empty() && sig.secrets_env.is_none() {
                         add(
@@ -510,6 +564,25 @@ impl Config {
     /// captured delivery never goes stale).
     pub fn warnings(&self) -> Vec<Problem> {
         let mut warnings = Vec::new();
+        // A scope made of a rotating credential's bytes: each route whose
+        // records are the client's says so (callbacks are the sender's).
+        let advice = match (
+            &self.identity.jwt,
+            self.identity.header.parse::<http::HeaderName>(),
+        ) {
+            (None, Ok(name)) => crate::identity::Identity::header(name).rotating_credential(),
+            _ => None,
+        };
+        if let Some(advice) = advice {
+            for (i, r) in self.routes.iter().enumerate() {
+                if r.kind == RouteKind::Sync && r.idempotency() != Idempotency::None {
+                    warnings.push(Problem {
+                        key: format!("routes[{i}] (identity.header)"),
+                        reason: format!("route {:?} scopes its records by {advice}", r.name),
+                    });
+                }
+            }
+        }
         for (i, r) in self.routes.iter().enumerate() {
             let scheme = r.signature.as_ref().map(|s| s.scheme);
             if r.kind == RouteKind::Callback && scheme == Some(SignatureScheme::HmacSha256) {
@@ -1126,5 +1199,25 @@ mod tests {
         );
         let text = timed(r#"tombstone = "soon""#, "10s", "");
         assert_eq!(reasons_for(&problems_of(&text), "store.tombstone").len(), 1);
+    }
+
+    #[test]
+    fn a_scope_made_of_a_rotating_credential_is_warned_about_per_route() {
+        let routes = timed("", "10s", "");
+        let warnings = Config::parse(&routes, "t").unwrap().warnings();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].reason.contains("X-User-Id"), "{warnings:?}");
+        for identity in [
+            "[identity]\nheader = \"X-User-Id\"",
+            "[identity]\nheader = \"Cookie\"",
+        ] {
+            let text = format!("{identity}\n{routes}");
+            let warnings = Config::parse(&text, "t").unwrap().warnings();
+            assert_eq!(
+                warnings.len(),
+                usize::from(identity.contains("Cookie")),
+                "{identity}"
+            );
+        }
     }
 }

@@ -54,7 +54,8 @@ impl MessageKeySource {
         }
     }
 
-    fn describe(&self) -> String {
+    /// The source as written in the config.
+    pub fn describe(&self) -> String {
         match self {
             MessageKeySource::MessageId => "msg:message_id".into(),
             MessageKeySource::Topic => "msg:topic".into(),
@@ -74,6 +75,31 @@ pub trait KeyedMessage {
     fn header(&self, name: &str) -> Option<Result<String, String>>;
     /// The payload.
     fn body(&self) -> &Bytes;
+}
+
+/// The values of `must_match` sources (see
+/// [`crate::callback::match_values`]): `None` when absent, never refused.
+pub fn message_match_values(
+    sources: &[MessageKeySource],
+    message: &impl KeyedMessage,
+) -> Vec<Option<String>> {
+    let json: Option<serde_json::Value> = sources
+        .iter()
+        .any(|s| matches!(s, MessageKeySource::Json(_)))
+        .then(|| serde_json::from_slice(message.body()).ok())
+        .flatten();
+    sources
+        .iter()
+        .map(|source| match source {
+            MessageKeySource::MessageId => message.message_id().map(str::to_owned),
+            MessageKeySource::Topic => Some(message.topic().to_owned()),
+            MessageKeySource::Header(name) => message.header(name).map(|v| v.unwrap_or_else(|e| e)),
+            MessageKeySource::Json(pointer) => json
+                .as_ref()
+                .and_then(|doc| doc.pointer(pointer))
+                .map(|v| v.to_string()),
+        })
+        .collect()
 }
 
 /// Reads every source and joins them into one key.

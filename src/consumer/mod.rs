@@ -42,7 +42,9 @@ use http::{HeaderName, HeaderValue, Method, Request, Response, header};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use key::{DEFAULT_MESSAGE_KEY, KeyedMessage, MessageKeySource, message_key};
+pub use key::{
+    DEFAULT_MESSAGE_KEY, KeyedMessage, MessageKeySource, message_key, message_match_values,
+};
 
 use crate::error::{Problem, ProblemReason};
 use crate::idempotency::holder::Recorded;
@@ -93,6 +95,9 @@ pub struct ConsumerSettings {
     pub source: Source,
     pub path: http::uri::PathAndQuery,
     pub sources: Arc<[MessageKeySource]>,
+    /// Fields a redelivery with the same key must repeat (else it is
+    /// dead-lettered, and logged as an error).
+    pub must_match: Arc<[MessageKeySource]>,
     pub prefetch: u16,
     pub max_deliveries: u32,
     pub retry_delay: Duration,
@@ -259,13 +264,29 @@ impl Deliverer {
             return Verdict::DeadLetter(format!("the upstream failed {failures} time(s)"));
         }
         let request = self.request(message);
+        // The same message whenever its key is: a broker's redelivery or a
+        // producer's re-publish with a new timestamp is not a new message.
+        let values = message_match_values(&self.settings.must_match, message);
+        let names: Vec<String> = self
+            .settings
+            .must_match
+            .iter()
+            .map(|m| m.describe())
+            .collect();
+        let fingerprint = crate::idempotency::body::key_fingerprint(
+            &key,
+            names
+                .iter()
+                .map(String::as_str)
+                .zip(values.iter().map(Option::as_deref)),
+        );
+        let policy = MessagePolicy {
+            key: key.clone(),
+            fingerprint,
+        };
         let response = self
             .engine
-            .handle(
-                MessagePolicy { key: key.clone() },
-                self.proxy.clone(),
-                request,
-            )
+            .handle(policy, self.proxy.clone(), request)
             .await;
         let verdict = self.judge(&key, &response);
         match &verdict {
@@ -347,7 +368,8 @@ impl Deliverer {
                 Outcome::Replayed => return Verdict::Ack(MessageOutcome::Duplicate),
                 Outcome::Mismatch => {
                     return Verdict::DeadLetter(
-                        "its key was first used for a message with a different body".into(),
+                        "its key was first used for a message whose must_match fields differ"
+                            .into(),
                     );
                 }
                 Outcome::Conflict => return wait,
@@ -416,14 +438,22 @@ impl Deliverer {
     }
 }
 
-/// The key is the message's, read before the engine runs.
+/// The key is the message's, read before the engine runs; so is its
+/// fingerprint (the key and its `must_match` fields).
 #[derive(Clone)]
 struct MessagePolicy {
     key: String,
+    fingerprint: String,
 }
 
 impl Policy for MessagePolicy {
     const LAYER: &'static str = "consumer";
+
+    const CLIENT_SCOPED: bool = false;
+
+    fn fingerprint(&self, _: &Parts, _: &Bytes, _: &str) -> Option<String> {
+        Some(self.fingerprint.clone())
+    }
 
     type BodyKey = Infallible;
 

@@ -55,6 +55,34 @@ pub async fn read_and_fingerprint(
     Ok((buffer.freeze(), hex::encode(hash.finalize())))
 }
 
+/// The fingerprint of a request identified by its business key (a
+/// callback, a message) rather than by its bytes: the key and the values
+/// of the `must_match` fields (`None`: absent), so that a redelivery
+/// re-stamped with a new timestamp or attempt counter is the same request,
+/// and one whose amount changed is not. A domain of its own: never equal
+/// to a whole-request fingerprint.
+pub fn key_fingerprint<'a>(
+    key: &str,
+    fields: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+) -> String {
+    let mut hash = Sha256::new();
+    hash.update(b"idemgate/fingerprint/business-key/v1\0");
+    let part = |hash: &mut Sha256, bytes: &[u8]| {
+        hash.update((bytes.len() as u64).to_be_bytes());
+        hash.update(bytes);
+    };
+    part(&mut hash, key.as_bytes());
+    for (name, value) in fields {
+        part(&mut hash, name.as_bytes());
+        match value {
+            Some(value) => part(&mut hash, value.as_bytes()),
+            // Absent differs from every value, the empty one included.
+            None => hash.update(u64::MAX.to_be_bytes()),
+        }
+    }
+    format!("k1:{}", hex::encode(hash.finalize()))
+}
+
 /// A response body as captured for storage.
 pub enum Captured {
     /// The whole body, within the cap.

@@ -50,7 +50,7 @@ use super::reconcile::{Reconcile, Reconciled};
 use super::{IDEMPOTENCY_KEY, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 use crate::error::Problem;
 use crate::hop_by_hop::is_hop_by_hop;
-use crate::identity::scope_of;
+use crate::identity::Identity;
 use crate::metrics::{Metrics, Outcome, WakeUp};
 use crate::request_id::X_REQUEST_ID;
 use crate::store::{Claim, RecordKey, StoreError, StoredResponse};
@@ -66,6 +66,8 @@ pub enum IdempotencyError {
     BodyTimeout(Duration),
     #[error("key reused for a different request")]
     Mismatch,
+    #[error("business key delivered again with other must_match fields")]
+    FieldsDiffer,
     #[error("a request with this key is in flight")]
     InFlight { retry_after: Duration },
     #[error("the first request's outcome is uncertain; a copy may still run upstream")]
@@ -94,7 +96,8 @@ pub enum OnConcurrent {
 #[derive(Clone)]
 pub struct EngineSettings {
     pub route: Arc<str>,
-    pub identity_header: HeaderName,
+    /// Who a client is (its records' scope).
+    pub identity: Identity,
     pub max_body_bytes: u64,
     /// Bound on receiving the whole request body.
     pub body_read_timeout: Duration,
@@ -155,7 +158,14 @@ impl Engine {
         P: Policy,
     {
         let (parts, body) = req.into_parts();
-        let scope = scope_of(&parts.headers, &self.settings.identity_header);
+        let scope = if P::CLIENT_SCOPED {
+            match self.settings.identity.scope(&parts.headers) {
+                Ok(scope) => scope,
+                Err(e) => return Problem::from(&e).into_response(),
+            }
+        } else {
+            String::new()
+        };
         let head = match policy.key_in_head(&parts, &scope) {
             Ok(Head::Bypass) => {
                 return forward_plain(inner, Request::from_parts(parts, body)).await;
@@ -196,6 +206,13 @@ impl Engine {
                 }
             },
         };
+        // A policy may identify the request by its key: then the whole
+        // request's fingerprint is only what records written before that
+        // rule carry (tried when the record mismatches).
+        let (fingerprint, legacy_fingerprint) = match policy.fingerprint(&parts, &bytes, &key) {
+            Some(by_key) => (by_key, Some(fingerprint)),
+            None => (fingerprint, None),
+        };
         let key = policy.record_key(scope, &self.settings.route, key);
         if let Some(refusal) = replay_only {
             return self
@@ -211,6 +228,7 @@ impl Engine {
         let ticket = Ticket {
             key,
             fingerprint,
+            legacy_fingerprint,
             request_id,
         };
         self.claim_and_hold(policy, inner, parts, bytes, ticket)
@@ -318,6 +336,7 @@ impl Engine {
         let Ticket {
             key,
             fingerprint,
+            legacy_fingerprint,
             request_id,
         } = &*ticket;
         // This process still holds the key for the same request: its
@@ -335,14 +354,21 @@ impl Engine {
             return;
         }
         let claimed_at = tokio::time::Instant::now();
-        let claimed = match self.store.claim(key, fingerprint, request_id).await {
+        let mut claim = self.store.claim(key, fingerprint, request_id).await;
+        let mut fingerprint = fingerprint;
+        if let (Ok(Claim::Mismatch { .. }), Some(legacy)) = (&claim, legacy_fingerprint) {
+            // Recorded before requests were identified by their key.
+            claim = self.store.claim(key, legacy, request_id).await;
+            fingerprint = legacy;
+        }
+        let claimed = match claim {
             Ok(Claim::Won {
                 epoch,
                 expires_at_ms,
                 maybe_ran,
             }) => match maybe_ran {
                 true => match self
-                    .reconcile_held::<P>(&ticket, epoch, expires_at_ms)
+                    .reconcile_held::<P>(&ticket, fingerprint, epoch, expires_at_ms)
                     .await
                 {
                     Some(answered) => Err(Attempt::Answered(answered)),
@@ -367,18 +393,29 @@ impl Engine {
                 retry_after,
                 expires_at_ms,
             }) => Err(Attempt::Answered(
-                self.during_hold::<P>(&ticket, epoch, retry_after, expires_at_ms)
+                self.during_hold::<P>(&ticket, fingerprint, epoch, retry_after, expires_at_ms)
                     .await,
             )),
             Ok(Claim::Completed {
                 response,
                 expires_at_ms,
             }) => Err(Attempt::Answered(replay(response, expires_at_ms))),
-            Ok(Claim::Mismatch { expires_at_ms }) => Err(Attempt::Answered(self.refuse::<P>(
-                IdempotencyError::Mismatch,
-                Some(key),
-                expires_at_ms,
-            ))),
+            Ok(Claim::Mismatch { expires_at_ms }) => {
+                let error = if legacy_fingerprint.is_some() {
+                    // The same business key with other must_match fields: a
+                    // sender contradicting itself (another amount for the
+                    // same trade) is worth an alarm.
+                    tracing::error!(route = %key.route, key = %key.escaped(), layer = P::LAYER, "a delivery's must_match fields differ from the first delivery's with this business key; refused");
+                    IdempotencyError::FieldsDiffer
+                } else {
+                    IdempotencyError::Mismatch
+                };
+                Err(Attempt::Answered(self.refuse::<P>(
+                    error,
+                    Some(key),
+                    expires_at_ms,
+                )))
+            }
             Ok(Claim::Expired { forgotten_at_ms }) => Err(Attempt::Answered(self.refuse::<P>(
                 IdempotencyError::Expired,
                 Some(key),
@@ -431,6 +468,7 @@ impl Engine {
     async fn reconcile_held<P: Policy>(
         &self,
         ticket: &Ticket,
+        fingerprint: &str,
         epoch: i64,
         expires_at_ms: i64,
     ) -> Option<Response<Body>> {
@@ -454,7 +492,7 @@ impl Engine {
                 };
                 let recorded = self
                     .store
-                    .complete(key, epoch, &ticket.fingerprint, &stored, expires_at_ms)
+                    .complete(key, epoch, fingerprint, &stored, expires_at_ms)
                     .await;
                 tracing::info!(route = %key.route, key = %key.escaped(), layer = P::LAYER, recorded = ?recorded.as_ref().ok(), "reconciliation: the action ran; its answer is the outcome");
                 // Not recorded (store away): the claim's lease runs out and
@@ -519,6 +557,7 @@ impl Engine {
     async fn during_hold<P: Policy>(
         &self,
         ticket: &Ticket,
+        fingerprint: &str,
         epoch: i64,
         retry_after: Duration,
         expires_at_ms: i64,
@@ -531,7 +570,7 @@ impl Engine {
         {
             let recorded = self
                 .store
-                .complete_reconciled(key, epoch, &ticket.fingerprint, &stored, expires_at_ms)
+                .complete_reconciled(key, epoch, fingerprint, &stored, expires_at_ms)
                 .await;
             tracing::info!(route = %key.route, key = %key.escaped(), layer = P::LAYER, recorded = ?recorded.as_ref().ok(), "reconciliation: the action ran; its answer is the outcome");
             return replay(stored, expires_at_ms);
@@ -647,7 +686,7 @@ impl Engine {
         }
         let mut response = problem.into_response();
         let outcome = match error {
-            IdempotencyError::Mismatch => Some(Outcome::Mismatch),
+            IdempotencyError::Mismatch | IdempotencyError::FieldsDiffer => Some(Outcome::Mismatch),
             IdempotencyError::Expired => Some(Outcome::Rejected),
             IdempotencyError::InFlight { .. } | IdempotencyError::Uncertain { .. } => {
                 Some(Outcome::Conflict)
@@ -673,6 +712,9 @@ enum Keyed<B> {
 struct Ticket {
     key: RecordKey,
     fingerprint: String,
+    /// The whole request's fingerprint, when `fingerprint` is its business
+    /// key's: a record of an earlier version carries this one.
+    legacy_fingerprint: Option<String>,
     request_id: String,
 }
 
@@ -848,6 +890,12 @@ impl From<&IdempotencyError> for crate::error::Problem {
             // The first request usually finishes in milliseconds; the lease
             // only bounds a crashed holder. Ask for an early retry.
             .retry_after(crate::error::IN_FLIGHT_RETRY_AFTER_SECS),
+            E::FieldsDiffer => crate::error::Problem::new(
+                http::StatusCode::UNPROCESSABLE_ENTITY,
+                "business-key-reused",
+                "This business key was delivered before with different must_match fields",
+            )
+            .detail("a redelivery must carry the same values in the fields the route lists in must_match; it was not forwarded"),
             E::Uncertain { retry_after } => crate::error::Problem::new(
                 http::StatusCode::BAD_GATEWAY,
                 "outcome-uncertain",

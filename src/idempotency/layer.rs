@@ -39,6 +39,12 @@ pub trait Policy: Clone + Send + Sync + 'static {
     /// The layer's name in logs (`key`, `token`, `callback`).
     const LAYER: &'static str;
 
+    /// Whether the records are the client's (scoped by its principal). A
+    /// callback's or message's records are the sender's: its identity is
+    /// not read at all (a provider's rotating credential must neither
+    /// change the record nor be refused).
+    const CLIENT_SCOPED: bool = true;
+
     /// What [`Head::FromBody`] carries to [`Policy::key_in_body`]:
     /// [`Infallible`] for a policy whose key is never in the body.
     type BodyKey: Send + 'static;
@@ -60,6 +66,14 @@ pub trait Policy: Clone + Send + Sync + 'static {
     /// Removes what must not reach the upstream (client credentials such as
     /// the one-time token).
     fn strip(&self, _headers: &mut HeaderMap) {}
+
+    /// The request's fingerprint when it is not the whole request's (method,
+    /// path and query, and body; `None`): a callback or message is the same
+    /// request whenever its business key is, and its `must_match` fields
+    /// agree (see [`super::body::key_fingerprint`]).
+    fn fingerprint(&self, _parts: &Parts, _body: &Bytes, _key: &str) -> Option<String> {
+        None
+    }
 
     /// Which record a key names (SPEC §1 rule 4): by default the client's
     /// scope, the route and the key. Policies whose keys are not the
@@ -195,7 +209,7 @@ mod tests {
             store,
             EngineSettings {
                 route: "orders".into(),
-                identity_header: http::header::AUTHORIZATION,
+                identity: crate::identity::Identity::header(http::header::AUTHORIZATION),
                 max_body_bytes: 1024,
                 body_read_timeout: Duration::from_secs(5),
                 max_stored_body_bytes: 1024,

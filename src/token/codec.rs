@@ -30,32 +30,47 @@ pub struct TokenClaims {
     pub route: Option<String>,
 }
 
-/// The HMAC key.
+/// The HMAC keys: tokens are signed with the first and verified with any
+/// (rotation: `tokens.secrets = ["new", "old"]`).
 pub struct TokenKeys {
-    secret: Vec<u8>,
+    secrets: Vec<Vec<u8>>,
 }
 
 impl TokenKeys {
     /// Keys from the configured secret; an empty secret makes a random one
     /// (the returned flag says so, for the start-up warning).
     pub fn new(secret: &str) -> (TokenKeys, bool) {
-        if secret.is_empty() {
+        Self::rotating(&[secret])
+    }
+
+    /// Keys from `secrets`, newest first; none (or only empty ones) makes a
+    /// random one, as [`Self::new`] does.
+    pub fn rotating(secrets: &[&str]) -> (TokenKeys, bool) {
+        let secrets: Vec<Vec<u8>> = secrets
+            .iter()
+            .filter(|s| !s.is_empty())
+            .map(|s| s.as_bytes().to_vec())
+            .collect();
+        if secrets.is_empty() {
             let mut random = vec![0u8; 32];
             rand::rng().fill_bytes(&mut random);
-            (TokenKeys { secret: random }, true)
-        } else {
             (
                 TokenKeys {
-                    secret: secret.as_bytes().to_vec(),
+                    secrets: vec![random],
                 },
-                false,
+                true,
             )
+        } else {
+            (TokenKeys { secrets }, false)
         }
     }
 
     fn mac(&self, payload: &[u8], scope: &str) -> Hmac<Sha256> {
-        let mut mac =
-            Hmac::<Sha256>::new_from_slice(&self.secret).expect("HMAC takes any key length");
+        self.mac_with(&self.secrets[0], payload, scope)
+    }
+
+    fn mac_with(&self, secret: &[u8], payload: &[u8], scope: &str) -> Hmac<Sha256> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
         mac.update(MAC_CONTEXT);
         mac.update(payload);
         mac.update(&(scope.len() as u64).to_be_bytes());
@@ -99,9 +114,16 @@ impl TokenKeys {
         };
         let payload = B64.decode(payload).map_err(|_| TokenError::Malformed)?;
         let tag = B64.decode(tag).map_err(|_| TokenError::Malformed)?;
-        self.mac(&payload, scope)
-            .verify_slice(&tag)
-            .map_err(|_| TokenError::BadSignature)?;
+        // Every secret is tried (each comparison in constant time): a token
+        // signed before a rotation stays valid under the old secret.
+        let authentic = self.secrets.iter().any(|secret| {
+            self.mac_with(secret, &payload, scope)
+                .verify_slice(&tag)
+                .is_ok()
+        });
+        if !authentic {
+            return Err(TokenError::BadSignature);
+        }
         // Authentic from here on: the layout is ours.
         if payload.len() < ID_BYTES + 10 {
             return Err(TokenError::Malformed);
@@ -151,5 +173,21 @@ mod tests {
         let (unbound, c) = keys.issue(None, "alice", 1);
         assert_eq!(keys.verify(&unbound, "alice").unwrap().route, None);
         assert_ne!(c.id, claims.id);
+    }
+
+    #[test]
+    fn a_rotation_signs_with_the_first_secret_and_verifies_with_any() {
+        let (old, _) = TokenKeys::new("old");
+        let (rotated, _) = TokenKeys::rotating(&["new", "old"]);
+        let (before, claims) = old.issue(None, "alice", 2_000_000_000);
+        assert_eq!(rotated.verify(&before, "alice").unwrap(), claims);
+        let (after, _) = rotated.issue(None, "alice", 2_000_000_000);
+        assert_eq!(old.verify(&after, "alice"), Err(TokenError::BadSignature));
+        let (retired, _) = TokenKeys::rotating(&["new"]);
+        assert_eq!(
+            retired.verify(&before, "alice"),
+            Err(TokenError::BadSignature)
+        );
+        assert!(retired.verify(&after, "alice").is_ok());
     }
 }

@@ -9,21 +9,22 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use http::{HeaderValue, Request, Response, StatusCode, header};
 use serde::Serialize;
 use tower::Service;
 
 use super::codec::TokenKeys;
 use crate::error::Problem;
-use crate::identity::scope_of;
+use crate::identity::Identity;
 
 /// The `/token` service.
 #[derive(Clone)]
 pub struct TokenEndpoint {
     keys: Arc<TokenKeys>,
     ttl: Duration,
-    identity_header: HeaderName,
+    identity: Identity,
     token_routes: Arc<BTreeSet<String>>,
+    limit: Option<Arc<super::IssueLimit>>,
 }
 
 #[derive(Serialize)]
@@ -38,15 +39,22 @@ impl TokenEndpoint {
     pub(crate) fn new(
         keys: Arc<TokenKeys>,
         ttl: Duration,
-        identity_header: HeaderName,
+        identity: Identity,
         token_routes: BTreeSet<String>,
     ) -> Self {
         TokenEndpoint {
             keys,
             ttl,
-            identity_header,
+            identity,
             token_routes: Arc::new(token_routes),
+            limit: None,
         }
+    }
+
+    /// Limits how many tokens one principal is issued per minute.
+    pub(crate) fn with_limit(mut self, limit: Option<Arc<super::IssueLimit>>) -> Self {
+        self.limit = limit;
+        self
     }
 
     fn issue(&self, req: &Request<Body>) -> Response<Body> {
@@ -73,7 +81,33 @@ impl TokenEndpoint {
             ))
             .into_response();
         }
-        let scope = scope_of(req.headers(), &self.identity_header);
+        // The token binds the principal, not the credential's bytes: a
+        // refreshed credential still uses the token.
+        let scope = match self.identity.scope(req.headers()) {
+            Ok(scope) => scope,
+            Err(e) => return Problem::from(&e).into_response(),
+        };
+        if let Some(limit) = &self.limit {
+            // Anonymous clients are told apart by their address.
+            let principal = match req.extensions().get::<crate::proxy::ClientAddr>() {
+                Some(peer) if scope == crate::identity::ANONYMOUS_SCOPE => {
+                    format!("ip:{}", peer.addr.ip())
+                }
+                _ => scope.clone(),
+            };
+            if let Err(wait) = limit.take(&principal) {
+                return Problem::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "token-rate-limited",
+                    "Too many tokens were issued to this client",
+                )
+                .detail(
+                    "tokens.issue_per_minute: fetch a token when a form is shown, not in a loop",
+                )
+                .retry_after(wait.as_secs_f64().ceil().max(1.0) as u64)
+                .into_response();
+            }
+        }
         // Tokens carry whole seconds; rounding the expiry up keeps every
         // token valid for at least its full ttl (truncating could take up
         // to a second off it, all of a one-second ttl).
