@@ -344,10 +344,16 @@ fn check_config_prints_no_warning_for_the_shipped_configs_but_the_identity_advic
         assert!(out.status.success(), "{path}: {stderr}");
         // The shipped configs scope by the raw Authorization (safe without
         // an auth proxy in front); check-config says what to use instead.
-        let warnings: Vec<_> = stderr.lines().filter(|l| l.starts_with("warning:")).collect();
+        let warnings: Vec<_> = stderr
+            .lines()
+            .filter(|l| l.starts_with("warning:"))
+            .collect();
         assert!(!warnings.is_empty(), "{path}: {stderr}");
         for w in warnings {
-            assert!(w.contains("(identity.header)") && w.contains("X-User-Id"), "{path}: {w}");
+            assert!(
+                w.contains("(identity.header)") && w.contains("X-User-Id"),
+                "{path}: {w}"
+            );
         }
     }
 }
