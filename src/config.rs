@@ -33,6 +33,8 @@ pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_MAX_BODY_BYTES: u64 = 1024 * 1024;
+/// `server.max_buffered_bytes`: 256 bodies of the default largest size.
+const DEFAULT_MAX_BUFFERED_BYTES: u64 = 256 * 1024 * 1024;
 const DEFAULT_HEADER_READ_TIMEOUT: &str = "10s";
 const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 const DEFAULT_BODY_READ_TIMEOUT: &str = "30s";
@@ -113,6 +115,14 @@ pub struct ServerConfig {
     /// another holds the last slot).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Claims in flight at once across the process (0: twice the
+    /// connections the descriptors allow); past it `503 claims-exhausted`.
+    #[serde(default)]
+    pub max_claims: usize,
+    /// Bytes of request bodies buffered at once across the process (the
+    /// protected routes read each whole); past it `503 buffers-exhausted`.
+    #[serde(default = "default_max_buffered_bytes")]
+    pub max_buffered_bytes: u64,
     /// Threads serving the public listener, each with its own event loop
     /// and upstream connection pool, all accepting from one shared socket;
     /// 0 = one per CPU.
@@ -189,6 +199,10 @@ pub struct StoreConfig {
     /// Response bodies larger than this are recorded without their body.
     #[serde(default = "default_max_stored_body_bytes")]
     pub max_stored_body_bytes: usize,
+    /// Bytes the in-process fast layer may hold (least recently used
+    /// answers go first; replays then come from SQL).
+    #[serde(default = "default_memory_layer_bytes")]
+    pub memory_layer_bytes: usize,
     /// Connections in the SQL pool.
     #[serde(default = "default_pool_size")]
     pub pool_size: u32,
@@ -460,6 +474,9 @@ fn default_admin_listen() -> String {
 fn default_max_body_bytes() -> u64 {
     DEFAULT_MAX_BODY_BYTES
 }
+fn default_max_buffered_bytes() -> u64 {
+    DEFAULT_MAX_BUFFERED_BYTES
+}
 fn default_header_read_timeout() -> HumanDuration {
     DEFAULT_HEADER_READ_TIMEOUT.into()
 }
@@ -495,6 +512,9 @@ fn default_max_stored_body_bytes() -> usize {
 }
 fn default_tombstone() -> HumanDuration {
     DEFAULT_TOMBSTONE.into()
+}
+fn default_memory_layer_bytes() -> usize {
+    crate::store::memory::DEFAULT_MAX_BYTES
 }
 fn default_pool_size() -> u32 {
     DEFAULT_POOL_SIZE
@@ -542,6 +562,8 @@ impl Default for ServerConfig {
             header_read_timeout: default_header_read_timeout(),
             body_read_timeout: default_body_read_timeout(),
             max_connections: default_max_connections(),
+            max_claims: 0,
+            max_buffered_bytes: default_max_buffered_bytes(),
             worker_threads: 0,
             shutdown_grace: default_shutdown_grace(),
             http2: DEFAULT_HTTP2,
@@ -564,6 +586,7 @@ impl Default for StoreConfig {
             tombstone: default_tombstone(),
             fast_layer_budget: default_fast_layer_budget(),
             max_stored_body_bytes: default_max_stored_body_bytes(),
+            memory_layer_bytes: default_memory_layer_bytes(),
             pool_size: default_pool_size(),
             redis_prefix: default_redis_prefix(),
         }

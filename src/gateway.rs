@@ -15,7 +15,9 @@ use tower::Layer;
 
 use crate::callback::{CallbackPolicy, KeySource, Verifier};
 use crate::config::{Config, Idempotency, PathMatch, RouteKind, RouteMatcher};
-use crate::idempotency::{Engine, EngineSettings, Holders, IdempotencyLayer, KeyPolicy, Reconcile};
+use crate::idempotency::{
+    ClaimBudget, Engine, EngineSettings, Holders, IdempotencyLayer, KeyPolicy, Reconcile,
+};
 use crate::identity::Identity;
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, StatusEndpoint, Upstream};
@@ -131,6 +133,13 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     let purge_follower = memory
         .clone()
         .map(|memory| crate::store::purges::follow(store.sql().clone(), memory));
+    if let Some(memory) = memory.clone() {
+        metrics.gauge(
+            "idemgate_memory_layer_bytes",
+            "Bytes the in-process fast layer holds (store.memory_layer_bytes at most).",
+            move || memory.bytes() as u64,
+        );
+    }
     let (token_keys, random_secret) = TokenKeys::rotating(&config.tokens.secret_list());
     // Loaded once (a JWKS file is read here), shared by every worker.
     let identity = config
@@ -141,11 +150,21 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    let budgets = descriptor_budgets(&config, threads);
+    metrics.claims_limit.store(
+        budgets.max_claims as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     // Built once for every worker: an https upstream's TLS settings read
     // their PEM files (and the system roots) here, not once per worker.
     let mut upstreams = std::collections::HashMap::new();
     for u in &config.upstreams {
-        let upstream = Upstream::new(u.spec()).map_err(|reason| StartError::Route {
+        let mut spec = u.spec();
+        if spec.max_connections == 0 && !spec.http2 {
+            // No cap configured: the descriptors' share is the cap.
+            spec.max_connections = budgets.upstream_connections;
+        }
+        let upstream = Upstream::new(spec).map_err(|reason| StartError::Route {
             route: format!("upstream {}", u.name),
             reason,
         })?;
@@ -161,6 +180,8 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
         workers: threads,
         holders: Arc::new(Holders::default()),
         identity: identity.clone(),
+        budget: ClaimBudget::new(budgets.max_claims),
+        body_budget: crate::idempotency::body::BodyBudget::new(config.server.max_buffered_bytes),
         // One limit for the process, not one per worker.
         token_limit: crate::token::IssueLimit::per_minute(config.tokens.issue_per_minute)
             .map(Arc::new),
@@ -190,7 +211,8 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     };
     let limits = ConnLimits {
         header_read_timeout: config.server.header_read_timeout.get(),
-        max_connections: config.server.max_connections.div_ceil(threads),
+        max_connections: budgets.max_connections.div_ceil(threads),
+        claims_per_connection: budgets.claims_per_connection,
         shutdown_grace: config.server.shutdown_grace.get(),
         http2: config.server.http2,
         tls,
@@ -317,6 +339,10 @@ struct Shared {
     identity: Identity,
     /// `tokens.issue_per_minute`, shared by every worker.
     token_limit: Option<Arc<crate::token::IssueLimit>>,
+    /// The process's claims in flight, across workers and consumers.
+    budget: ClaimBudget,
+    /// The process's buffered request bodies.
+    body_budget: crate::idempotency::body::BodyBudget,
 }
 
 /// One public-listener thread: its own event loop, socket and stacks.
@@ -412,6 +438,46 @@ fn spawn_worker(
         .expect("spawning a worker thread")
 }
 
+/// The descriptor limit (raised to its hard limit first) and the budgets it
+/// allows, said once in the log when it lowers what the file asks for.
+fn descriptor_budgets(config: &Config, workers: usize) -> crate::limits::Budgets {
+    let limit = crate::limits::raise_descriptor_limit();
+    // The store's pools, Redis (one per worker and the main runtime), and
+    // each consumer's broker connection and dead-letter channel.
+    let reserve = crate::limits::BASE_RESERVE
+        + config.store.pool_size as usize * 2
+        + (workers + 1) * 2
+        + config.consumers.len() * 4;
+    let budgets = crate::limits::budgets(
+        limit,
+        reserve,
+        config.upstreams.len(),
+        config.server.max_connections,
+        config.server.max_claims,
+    );
+    if budgets.max_connections < config.server.max_connections {
+        tracing::warn!(
+            descriptor_limit = ?limit,
+            reserve,
+            max_connections = budgets.max_connections,
+            configured = config.server.max_connections,
+            layer = "server",
+            "the descriptor limit lowers server.max_connections; raise it (ulimit -n, systemd LimitNOFILE) to at least {} for the configured value",
+            config.server.max_connections * 2 + reserve
+        );
+    }
+    tracing::info!(
+        descriptor_limit = ?limit,
+        max_connections = budgets.max_connections,
+        max_claims = budgets.max_claims,
+        claims_per_connection = budgets.claims_per_connection,
+        upstream_connections = budgets.upstream_connections,
+        layer = "server",
+        "budgets"
+    );
+    budgets
+}
+
 /// `idemgate serve`: runs until SIGTERM or SIGINT, then drains.
 pub async fn run(config: Config) -> Result<(), StartError> {
     let gateway = start(config).await?;
@@ -503,6 +569,8 @@ fn build_consumers(
                     .map(|u| u.uncertain_hold())
                     .unwrap_or(upstream.timeout),
                 reconcile: None,
+                budget: shared.budget.clone(),
+                body_budget: shared.body_budget.clone(),
             },
             shared.metrics.clone(),
             shared.holders.clone(),
@@ -581,6 +649,8 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
                     .map(|u| u.uncertain_hold())
                     .unwrap_or_default(),
                 reconcile,
+                budget: shared.budget.clone(),
+                body_budget: shared.body_budget.clone(),
             },
             metrics.clone(),
             shared.holders.clone(),

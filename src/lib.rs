@@ -155,6 +155,12 @@ pub mod identity;
 mod identity;
 #[cfg(feature = "internals")]
 #[doc(hidden)]
+pub mod limits;
+#[cfg(not(feature = "internals"))]
+#[allow(unreachable_pub, dead_code, unused_imports)]
+mod limits;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
 pub mod metrics;
 #[cfg(not(feature = "internals"))]
 #[allow(unreachable_pub, dead_code, unused_imports)]

@@ -67,6 +67,12 @@ pub const DEFAULT_HANDLER_DEADLINE: Duration = Duration::from_secs(10);
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 1024 * 1024;
 /// The default time a client has to send a protected request's body.
 pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Handlers a process runs at once behind the layers (a claim outlives its
+/// client; past this new ones are `503 claims-exhausted`).
+pub const DEFAULT_MAX_CLAIMS: usize = 4096;
+/// Bytes of request bodies the layers buffer at once (past this a request
+/// is `503 buffers-exhausted`).
+pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 256 * 1024 * 1024;
 /// The default lifetime of a `/token` token.
 pub const DEFAULT_TOKEN_TTL: Duration = Duration::from_secs(600);
 
@@ -170,6 +176,8 @@ impl Builder {
                 metrics,
                 holders: Arc::new(Holders::default()),
                 keys: Arc::new(keys),
+                budget: crate::idempotency::ClaimBudget::new(DEFAULT_MAX_CLAIMS),
+                body_budget: crate::idempotency::body::BodyBudget::new(DEFAULT_MAX_BUFFERED_BYTES),
                 settings: self,
                 _sweeper: AbortOnDrop(sweeper),
             }),
@@ -189,6 +197,10 @@ struct Shared {
     holders: Arc<Holders>,
     keys: Arc<TokenKeys>,
     settings: Builder,
+    /// Handlers running at once across every layer.
+    budget: crate::idempotency::ClaimBudget,
+    /// Request bodies buffered at once across every layer.
+    body_budget: crate::idempotency::body::BodyBudget,
     _sweeper: AbortOnDrop,
 }
 
@@ -222,6 +234,8 @@ impl Idempotency {
                 // is dropped, but it may have spawned work; hold as long.
                 uncertain_hold: s.handler_deadline,
                 reconcile: None,
+                budget: self.inner.budget.clone(),
+                body_budget: self.inner.body_budget.clone(),
             },
             self.inner.metrics.clone(),
             self.inner.holders.clone(),

@@ -188,9 +188,23 @@ pub struct ConsumerCounters {
     broker: std::sync::Mutex<Option<String>>,
     connected: std::sync::atomic::AtomicBool,
     connects: AtomicU64,
+    /// Deliveries waiting in process right now (store away, a copy in
+    /// flight elsewhere).
+    waiting: AtomicU64,
 }
 
 impl ConsumerCounters {
+    /// One more delivery waits in process; the guard counts it done.
+    pub fn wait(self: &Arc<Self>) -> Waiting {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        Waiting(self.clone())
+    }
+
+    /// Deliveries waiting in process right now.
+    pub fn waiting(&self) -> u64 {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
     /// Counts one delivery.
     pub fn record(&self, outcome: MessageOutcome) {
         self.outcomes[outcome as usize].fetch_add(1, Ordering::Relaxed);
@@ -233,6 +247,16 @@ impl ConsumerCounters {
     }
 }
 
+/// A delivery waiting in process ([`ConsumerCounters::wait`]).
+#[derive(Debug)]
+pub struct Waiting(Arc<ConsumerCounters>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Where `idemgate_worker_connections` comes from (the server's balance).
 pub trait WorkerConnections: Send + Sync + std::fmt::Debug {
     /// Open connections per worker, in worker order.
@@ -252,8 +276,28 @@ pub struct Metrics {
     /// Latency of store operations as the engine sees them.
     pub store_latency: Histogram,
     wake_ups: [AtomicU64; WAKE_UPS.len()],
+    /// Claims refused before they were made: the process budget, a
+    /// connection's share.
+    claims_refused: [AtomicU64; 2],
+    /// `server.max_claims` as started.
+    pub claims_limit: AtomicU64,
     /// Open client connections per worker thread (set once at start).
     workers: std::sync::OnceLock<Arc<dyn WorkerConnections>>,
+    /// Gauges read when rendered, registered by the parts that own them.
+    gauges: std::sync::Mutex<Vec<Gauge>>,
+}
+
+/// A gauge whose value is read when `/metrics` is rendered.
+struct Gauge {
+    name: &'static str,
+    help: &'static str,
+    read: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+impl std::fmt::Debug for Gauge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
 }
 
 impl Metrics {
@@ -311,6 +355,29 @@ impl Metrics {
         .fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Registers a gauge read at every render (`name` without labels).
+    pub fn gauge(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        read: impl Fn() -> u64 + Send + Sync + 'static,
+    ) {
+        self.gauges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Gauge {
+                name,
+                help,
+                read: Box::new(read),
+            });
+    }
+
+    /// Counts a claim refused by a budget (`connection`: its connection's
+    /// share, else the process's).
+    pub fn claim_refused(&self, connection: bool) {
+        self.claims_refused[usize::from(connection)].fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts one waiting duplicate's wake-up.
     pub fn woken(&self, by: WakeUp) {
         self.wake_ups[by as usize].fetch_add(1, Ordering::Relaxed);
@@ -359,6 +426,15 @@ impl Metrics {
                         counters.get(outcome)
                     );
                 }
+            }
+            out.push_str("# HELP idemgate_messages_waiting Deliveries waiting in process (store away, a copy in flight elsewhere).\n");
+            out.push_str("# TYPE idemgate_messages_waiting gauge\n");
+            for (consumer, counters) in &self.consumers {
+                let _ = writeln!(
+                    out,
+                    "idemgate_messages_waiting{{consumer=\"{consumer}\"}} {}",
+                    counters.waiting()
+                );
             }
             out.push_str("# HELP idemgate_consumer_connected Whether the consumer's broker connection is up.\n");
             out.push_str("# TYPE idemgate_consumer_connected gauge\n");
@@ -410,6 +486,34 @@ impl Metrics {
             "idemgate_claims_in_flight {}",
             self.claims_in_flight.load(Ordering::Relaxed)
         );
+        out.push_str("# HELP idemgate_claims_limit Claims this gateway may hold at once (server.max_claims).\n");
+        out.push_str("# TYPE idemgate_claims_limit gauge\n");
+        let _ = writeln!(
+            out,
+            "idemgate_claims_limit {}",
+            self.claims_limit.load(Ordering::Relaxed)
+        );
+        out.push_str("# HELP idemgate_claims_refused_total Claims refused before they were made, by the limit that was full.\n");
+        out.push_str("# TYPE idemgate_claims_refused_total counter\n");
+        for (i, limit) in ["process", "connection"].iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "idemgate_claims_refused_total{{limit=\"{limit}\"}} {}",
+                self.claims_refused[i].load(Ordering::Relaxed)
+            );
+        }
+        if let Some(open) = crate::limits::open_descriptors() {
+            out.push_str("# HELP idemgate_open_descriptors Descriptors this process has open.\n");
+            out.push_str("# TYPE idemgate_open_descriptors gauge\n");
+            let _ = writeln!(out, "idemgate_open_descriptors {open}");
+        }
+        if let Some(limit) = crate::limits::descriptor_limit() {
+            out.push_str(
+                "# HELP idemgate_descriptor_limit The soft descriptor limit (ulimit -n).\n",
+            );
+            out.push_str("# TYPE idemgate_descriptor_limit gauge\n");
+            let _ = writeln!(out, "idemgate_descriptor_limit {limit}");
+        }
         if let Some(balance) = self.workers.get() {
             out.push_str(
                 "# HELP idemgate_worker_connections Open client connections per worker thread.\n",
@@ -421,6 +525,11 @@ impl Metrics {
                     "idemgate_worker_connections{{worker=\"{worker}\"}} {open}"
                 );
             }
+        }
+        for gauge in self.gauges.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = writeln!(out, "# HELP {} {}", gauge.name, gauge.help);
+            let _ = writeln!(out, "# TYPE {} gauge", gauge.name);
+            let _ = writeln!(out, "{} {}", gauge.name, (gauge.read)());
         }
         out.push_str("# HELP idemgate_store_duration_seconds Latency of store operations.\n");
         out.push_str("# TYPE idemgate_store_duration_seconds histogram\n");

@@ -164,6 +164,39 @@ pub fn is_tls_refusal(e: &io::Error) -> bool {
     e.get_ref().is_some_and(|inner| is_rustls_error(inner))
 }
 
+/// Whether `e` is the server refusing this client's handshake after the
+/// client had finished it: over TLS 1.3 the client's half ends before the
+/// server has checked the client certificate, so a refusal arrives as an
+/// alert on the first read — and a server that refused the handshake
+/// processed nothing. Only the alerts of that refusal (RFC 8446 §6.2:
+/// certificate, access and handshake failures) count: any other TLS error
+/// after the request's bytes left (a corrupt or undecryptable record, a
+/// `bad_record_mac`, a close without `close_notify`) may follow a request
+/// the server processed, and is not a refusal.
+pub fn is_handshake_refusal(e: &(dyn std::error::Error + 'static)) -> bool {
+    use rustls::AlertDescription as A;
+    let rustls = e.downcast_ref::<rustls::Error>().or_else(|| {
+        e.downcast_ref::<io::Error>()
+            .and_then(|io| io.get_ref())
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    });
+    matches!(
+        rustls,
+        Some(rustls::Error::AlertReceived(
+            A::HandshakeFailure
+                | A::BadCertificate
+                | A::UnsupportedCertificate
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::CertificateUnknown
+                | A::UnknownCA
+                | A::AccessDenied
+                | A::InsufficientSecurity
+                | A::CertificateRequired
+        ))
+    )
+}
+
 /// Whether `e` is rustls refusing the peer, or an I/O error carrying that.
 pub fn is_rustls_error(e: &(dyn std::error::Error + 'static)) -> bool {
     if e.downcast_ref::<rustls::Error>().is_some() {

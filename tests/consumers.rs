@@ -438,6 +438,81 @@ async fn postgres_unreachable_nothing_is_forwarded_and_messages_are_delivered_on
     stack.shutdown().await;
 }
 
+/// Deliveries waiting in process (the store away) when the broker
+/// connection drops can only fail to ack: they stop waiting with their
+/// session, and only the new session's copies wait (before: both, for up
+/// to five minutes, a pile that grew with every reconnect).
+#[tokio::test]
+async fn a_session_that_ends_takes_its_waiting_deliveries_with_it() {
+    let Some(queue) = Queue::new("amqp_session_end").await else {
+        return;
+    };
+    let Some(db) = postgres("a_session_that_ends_takes_its_waiting_deliveries_with_it").await
+    else {
+        return;
+    };
+    let pg = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let via_proxy = db.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", pg.port));
+    let broker = FaultProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let source = format!("amqp://guest:guest@127.0.0.1:{}/%2f", broker.port);
+    let consumer = consumer_toml(
+        "pay",
+        &source,
+        &format!("queue = \"{}\"", queue.name),
+        "/actions/session",
+        "",
+    );
+    let stack = Stack::start_with(&consumer, |c| {
+        c.store.database_url = via_proxy.clone();
+        c.store.timeout = "500ms".into();
+    })
+    .await;
+    pg.set(Mode::Refuse);
+    for i in 0..5 {
+        queue.publish(Some(&format!("s-{i}")), b"{}", &[]).await;
+    }
+    let waiting = || async {
+        let text = stack.http.get(&stack.admin("/metrics")).await.body;
+        let line = "idemgate_messages_waiting{consumer=\"pay\"} ";
+        String::from_utf8_lossy(&text)
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(line)
+                    .map(|v| v.trim().parse::<u64>().unwrap())
+            })
+            .unwrap_or(0)
+    };
+    assert!(eventually(WAIT, || async { waiting().await == 5 }).await);
+    // The broker connection drops and comes back: the five are delivered
+    // again to the new session, and wait there.
+    broker.set(Mode::Refuse);
+    let ready = Http::default();
+    let state = || async {
+        ready.get(&stack.admin("/readyz")).await.json()["consumers"]["pay"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    };
+    assert!(eventually(WAIT, || async { state().await.starts_with("disconnected") }).await);
+    broker.set(Mode::Pass);
+    assert!(eventually(WAIT, || async { state().await == "connected" }).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut most = 0;
+    for _ in 0..10 {
+        most = most.max(waiting().await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(most <= 5, "{most} deliveries waiting for 5 messages");
+    pg.set(Mode::Pass);
+    let all = eventually(Duration::from_secs(30), || async {
+        per_key(&stack, "session").len() == 5
+    })
+    .await;
+    assert!(all);
+    assert!(per_key(&stack, "session").values().all(|n| *n == 1));
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_gateway_killed_after_recording_and_before_its_ack_is_not_executed_again() {
     let Some(queue) = Queue::new("amqp_kill").await else {

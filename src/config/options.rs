@@ -30,6 +30,7 @@ impl StoreConfig {
             retention: self.retention.get(),
             tombstone: self.tombstone.get(),
             fast_layer_budget: self.fast_layer_budget.get(),
+            memory_layer_bytes: self.memory_layer_bytes,
         }
     }
 }

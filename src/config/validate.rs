@@ -36,6 +36,22 @@ impl Config {
         if self.server.max_connections == 0 {
             add("server.max_connections".into(), "must be above zero".into());
         }
+        if self.server.max_buffered_bytes < self.server.max_body_bytes {
+            add(
+                "server.max_buffered_bytes".into(),
+                format!(
+                    "{} is below server.max_body_bytes ({}): a largest body could never be buffered",
+                    self.server.max_buffered_bytes, self.server.max_body_bytes
+                ),
+            );
+        }
+        if self.store.memory_layer_bytes == 0 {
+            add(
+                "store.memory_layer_bytes".into(),
+                "must be above zero (the in-process fast layer needs room for its in-flight markers)"
+                    .into(),
+            );
+        }
         // Every duration of the file, unparsable or zero refused: none of them
         // has a meaningful zero (a zero read timeout or store timeout fails
         // every request, a zero lease or retention protects nothing, a zero

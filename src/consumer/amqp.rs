@@ -102,6 +102,12 @@ async fn session(
     d.counters().set_connected();
     tracing::info!(consumer = %settings.name, broker = %redact(url), queue = %queue, prefetch = settings.prefetch, layer = "consumer", "consuming");
 
+    // The deliveries of this session: a stop cancels them (they finish and
+    // acknowledge within the grace), and so does the session's end — their
+    // acks can only fail with the connection, so a delivery that waits in
+    // process (store away, a copy elsewhere) stops waiting; its holder, if
+    // it claimed, still sees the claim through.
+    let session = stop.child_token();
     let mut running = JoinSet::new();
     let ended = loop {
         tokio::select! {
@@ -110,9 +116,9 @@ async fn session(
                 Some(Ok(delivery)) => {
                     let d = d.clone();
                     let channel = channel.clone();
-                    let stop = stop.clone();
+                    let session = session.clone();
                     let dead_letters = dead_letters.to_owned();
-                    running.spawn(async move { handle(&d, &channel, &dead_letters, delivery, &stop).await });
+                    running.spawn(async move { handle(&d, &channel, &dead_letters, delivery, &session).await });
                 }
                 Some(Err(e)) => break Err(e),
                 None => break Ok(()),
@@ -139,6 +145,7 @@ async fn session(
     }
     // The deliveries in hand go on in the background: their holders see
     // their claims through; their acks fail with the connection.
+    session.cancel();
     running.detach_all();
     let _ = connection.close(200, "reconnecting".into()).await;
     ended

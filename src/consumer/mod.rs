@@ -239,6 +239,7 @@ impl Deliverer {
                 return Verdict::Retry(delay);
             }
             self.counters.record(MessageOutcome::Retried);
+            let _waiting = self.counters.wait();
             tokio::select! {
                 _ = stop.cancelled() => return Verdict::Retry(Duration::ZERO),
                 _ = tokio::time::sleep(delay) => {}
@@ -381,7 +382,7 @@ impl Deliverer {
         }
         match extensions.get::<ProblemReason>().map(|r| r.0) {
             // Nothing was forwarded and the message waits for the store.
-            Some("store-unavailable" | "store") => return wait,
+            Some("store-unavailable" | "claims-exhausted" | "buffers-exhausted") => return wait,
             Some("body-too-large") => {
                 return Verdict::DeadLetter("the message is over server.max_body_bytes".into());
             }

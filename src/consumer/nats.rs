@@ -138,6 +138,12 @@ async fn session(
     d.counters().set_connected();
     tracing::info!(consumer = %settings.name, broker = %redact(url), stream = %stream_name, durable = %durable, prefetch = settings.prefetch, layer = "consumer", "consuming");
 
+    // The deliveries of this session: a stop cancels them (they finish and
+    // acknowledge within the grace), and so does the session's end — their
+    // acks can only fail with the connection, so a delivery that waits in
+    // process (store away, a copy elsewhere) stops waiting; its holder, if
+    // it claimed, still sees the claim through.
+    let session = stop.child_token();
     let mut running = JoinSet::new();
     let ended: Result<(), Failure> = loop {
         tokio::select! {
@@ -146,9 +152,9 @@ async fn session(
                 Some(Ok(message)) => {
                     let d = d.clone();
                     let js = js.clone();
-                    let stop = stop.clone();
+                    let session = session.clone();
                     let subject = dead_letters.to_owned();
-                    running.spawn(async move { handle(&d, &js, &subject, message, &stop).await });
+                    running.spawn(async move { handle(&d, &js, &subject, message, &session).await });
                 }
                 Some(Err(e)) => break Err(e.into()),
                 None => break Ok(()),
@@ -168,6 +174,7 @@ async fn session(
         let _ = client.drain().await;
         return Ok(());
     }
+    session.cancel();
     running.detach_all();
     ended
 }

@@ -78,7 +78,7 @@ pub async fn start_with_tls(
     let service_state = state.clone();
     let task = tokio::spawn(server::serve(
         listener,
-        move |_peer, _tls| DemoService {
+        move |_peer, _tls, _claims| DemoService {
             app: app.clone(),
             state: service_state.clone(),
         },

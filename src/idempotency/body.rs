@@ -15,15 +15,67 @@ pub enum BodyError {
     TooLarge { limit: u64 },
     #[error("reading the request body failed: {0}")]
     Broken(String),
+    #[error("the process holds server.max_buffered_bytes of request bodies")]
+    Budget,
 }
 
-/// Reads the request body (at most `limit` bytes), hashing it as it
-/// arrives: fingerprint = SHA-256 over method, path and query, and body.
+/// The bytes of request bodies the process holds at once
+/// (`server.max_buffered_bytes`, SPEC §1 rule 10): protected routes
+/// buffer each body whole to fingerprint it, and `max_body_bytes` bounds
+/// one body, not how many arrive together (10,000 connections, or 128
+/// streams of one HTTP/2 connection, each sending a megabyte). Counted in
+/// KiB; a body that would go past the budget is refused (`503`) before
+/// anything is claimed.
+#[derive(Clone, Debug)]
+pub struct BodyBudget(std::sync::Arc<tokio::sync::Semaphore>);
+
+/// A body's share of the budget, given back when dropped.
+pub type Buffered = Option<tokio::sync::OwnedSemaphorePermit>;
+
+impl BodyBudget {
+    /// At most `bytes` buffered at once.
+    pub fn new(bytes: u64) -> Self {
+        let kib = usize::try_from(bytes / 1024)
+            .unwrap_or(usize::MAX)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        BodyBudget(std::sync::Arc::new(tokio::sync::Semaphore::new(kib.max(1))))
+    }
+
+    /// A budget no workload reaches (library use, tests).
+    pub fn unbounded() -> Self {
+        BodyBudget(std::sync::Arc::new(tokio::sync::Semaphore::new(
+            tokio::sync::Semaphore::MAX_PERMITS,
+        )))
+    }
+
+    /// Takes `bytes` more for `held` (growing it), or fails.
+    fn take(&self, held: &mut Buffered, bytes: usize) -> Result<(), BodyError> {
+        let kib = u32::try_from(bytes.div_ceil(1024)).map_err(|_| BodyError::Budget)?;
+        if kib == 0 {
+            return Ok(());
+        }
+        let more = self
+            .0
+            .clone()
+            .try_acquire_many_owned(kib)
+            .map_err(|_| BodyError::Budget)?;
+        match held {
+            Some(permit) => permit.merge(more),
+            None => *held = Some(more),
+        }
+        Ok(())
+    }
+}
+
+/// Reads the request body (at most `limit` bytes, counted against
+/// `budget`), hashing it as it arrives: fingerprint = SHA-256 over method,
+/// path and query, and body.
 pub async fn read_and_fingerprint(
     parts: &Parts,
     body: Body,
     limit: u64,
-) -> Result<(Bytes, String), BodyError> {
+    budget: &BodyBudget,
+) -> Result<(Bytes, String, Buffered), BodyError> {
     let declared = parts
         .headers
         .get(http::header::CONTENT_LENGTH)
@@ -31,6 +83,12 @@ pub async fn read_and_fingerprint(
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit) {
         return Err(BodyError::TooLarge { limit });
+    }
+    let mut buffered: Buffered = None;
+    // A declared length is taken up front: a body that cannot fit is
+    // refused before a byte of it is read.
+    if let Some(len) = declared {
+        budget.take(&mut buffered, len as usize)?;
     }
     let mut hash = Sha256::new();
     hash.update(parts.method.as_str().as_bytes());
@@ -49,10 +107,13 @@ pub async fn read_and_fingerprint(
         if (buffer.len() + chunk.len()) as u64 > limit {
             return Err(BodyError::TooLarge { limit });
         }
+        if declared.is_none() {
+            budget.take(&mut buffered, chunk.len())?;
+        }
         hash.update(&chunk);
         buffer.extend_from_slice(&chunk);
     }
-    Ok((buffer.freeze(), hex::encode(hash.finalize())))
+    Ok((buffer.freeze(), hex::encode(hash.finalize()), buffered))
 }
 
 /// The fingerprint of a request identified by its business key (a

@@ -43,6 +43,7 @@ use tower::{Service, ServiceExt};
 use tokio::sync::oneshot;
 
 use super::body::{BodyError, read_and_fingerprint};
+use super::budget::ConnectionClaims;
 use super::expires::set_expires;
 use super::holder::{Claimed, Holder, Holders, Outcome as Published};
 use super::layer::{Head, Policy};
@@ -76,6 +77,10 @@ pub enum IdempotencyError {
     ReconcileFailed(String),
     #[error("the key's record has expired (tombstone)")]
     Expired,
+    #[error("the process holds server.max_buffered_bytes of request bodies")]
+    BodyBudget,
+    #[error("no claim can be made now: {0:?} limit reached")]
+    Exhausted(super::budget::Exhausted),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -111,6 +116,10 @@ pub struct EngineSettings {
     /// The upstream's status endpoint, asked before an uncertain action is
     /// forwarded again.
     pub reconcile: Option<Arc<dyn Reconcile>>,
+    /// The process's claims in flight (`server.max_claims`).
+    pub budget: super::budget::ClaimBudget,
+    /// The process's buffered request bodies (`server.max_buffered_bytes`).
+    pub body_budget: super::body::BodyBudget,
 }
 
 /// The shared engine of one route.
@@ -183,14 +192,23 @@ impl Engine {
         // forever: the whole body arrives within the deadline or the
         // request is refused before anything is stored.
         let deadline = self.settings.body_read_timeout;
-        let read = read_and_fingerprint(&parts, body, self.settings.max_body_bytes);
-        let (bytes, fingerprint) = match tokio::time::timeout(deadline, read).await {
+        let read = read_and_fingerprint(
+            &parts,
+            body,
+            self.settings.max_body_bytes,
+            &self.settings.body_budget,
+        );
+        // `_buffered` counts the body until this request is answered.
+        let (bytes, fingerprint, _buffered) = match tokio::time::timeout(deadline, read).await {
             Ok(Ok(read)) => read,
             Ok(Err(BodyError::TooLarge { limit })) => {
                 return self.refusal::<P>(IdempotencyError::BodyTooLarge { limit }, None);
             }
             Ok(Err(BodyError::Broken(e))) => {
                 return self.refusal::<P>(IdempotencyError::BadBody(e), None);
+            }
+            Ok(Err(BodyError::Budget)) => {
+                return self.refusal::<P>(IdempotencyError::BodyBudget, None);
             }
             Err(_) => return self.refusal::<P>(IdempotencyError::BodyTimeout(deadline), None),
         };
@@ -353,6 +371,20 @@ impl Engine {
             });
             return;
         }
+        // Counted before the claim is made: a claim outlives its client, so
+        // it holds the process's budget and its connection's share until
+        // its holder has finished (`_counted` lives as long as this task).
+        let connection = parts.extensions.get::<ConnectionClaims>().cloned();
+        let _counted = match self.count_claim(connection.as_ref()) {
+            Ok(counted) => counted,
+            Err(exhausted) => {
+                self.metrics
+                    .claim_refused(exhausted == super::budget::Exhausted::Connection);
+                let refused = self.refusal::<P>(IdempotencyError::Exhausted(exhausted), Some(key));
+                let _ = reply.send(Attempt::Answered(refused));
+                return;
+            }
+        };
         let claimed_at = tokio::time::Instant::now();
         let mut claim = self.store.claim(key, fingerprint, request_id).await;
         let mut fingerprint = fingerprint;
@@ -461,6 +493,23 @@ impl Engine {
             })
             .await;
         in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// One claim's share of the process budget and of its connection's.
+    fn count_claim(
+        &self,
+        connection: Option<&ConnectionClaims>,
+    ) -> Result<Counted, super::budget::Exhausted> {
+        use super::budget::Exhausted;
+        let connection = match connection {
+            Some(c) => Some(c.take().ok_or(Exhausted::Connection)?),
+            None => None,
+        };
+        let process = self.settings.budget.try_take().ok_or(Exhausted::Process)?;
+        Ok(Counted {
+            _process: process,
+            _connection: connection,
+        })
     }
 
     /// A won claim over an attempt that may have acted: asks the upstream
@@ -718,6 +767,12 @@ struct Ticket {
     request_id: String,
 }
 
+/// A claim's place in the budgets, given back when it is dropped.
+struct Counted {
+    _process: tokio::sync::OwnedSemaphorePermit,
+    _connection: Option<super::budget::ConnectionClaim>,
+}
+
 /// What one claim attempt tells the waiting client.
 enum Attempt {
     /// The answer: a replay, a refusal, or the holder's response.
@@ -921,6 +976,27 @@ impl From<&IdempotencyError> for crate::error::Problem {
                 "This idempotency key's record has expired",
             )
             .detail("the request was answered before and its stored answer is no longer kept; it is not executed again — use a new key for a new request"),
+            E::BodyBudget => crate::error::Problem::new(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "buffers-exhausted",
+                "The gateway holds as many request bodies as it may",
+            )
+            .detail("server.max_buffered_bytes of request bodies are being read or held; nothing was recorded or forwarded, retry shortly")
+            .retry_after(crate::error::IN_FLIGHT_RETRY_AFTER_SECS),
+            E::Exhausted(which) => crate::error::Problem::new(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "claims-exhausted",
+                "The gateway holds as many requests in progress as it may",
+            )
+            .detail(match which {
+                super::budget::Exhausted::Process => {
+                    "server.max_claims requests are in progress; nothing was recorded or forwarded, retry shortly"
+                }
+                super::budget::Exhausted::Connection => {
+                    "this connection left as many requests in progress as it may open streams; nothing was recorded or forwarded, retry on a new connection"
+                }
+            })
+            .retry_after(crate::error::IN_FLIGHT_RETRY_AFTER_SECS),
             E::Store(store) => crate::error::Problem::from(store),
         }
     }

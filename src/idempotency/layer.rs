@@ -217,6 +217,8 @@ mod tests {
                 wait_limit: Duration::from_secs(5),
                 uncertain_hold: Duration::from_secs(5),
                 reconcile: None,
+                budget: crate::idempotency::ClaimBudget::unbounded(),
+                body_budget: crate::idempotency::body::BodyBudget::unbounded(),
             },
             metrics,
             Arc::new(Holders::default()),

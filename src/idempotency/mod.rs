@@ -16,6 +16,7 @@
 //!   in a task of its own that the client cannot cancel.
 
 pub mod body;
+pub mod budget;
 pub mod engine;
 pub mod expires;
 pub mod holder;
@@ -23,6 +24,7 @@ pub mod key;
 pub mod layer;
 pub mod reconcile;
 
+pub use budget::{CLAIMS_PER_CONNECTION, ClaimBudget, ConnectionClaims};
 pub use engine::{Engine, EngineSettings, IdempotencyError, OnConcurrent};
 pub use holder::Holders;
 pub use key::KeyPolicy;

@@ -159,8 +159,11 @@ pub(super) async fn send(
 ///   1.3 the client's handshake ends before the server has checked the
 ///   client certificate, so a refused certificate arrives as an alert on
 ///   the first read. The server never accepted the connection, so nothing
-///   was processed. Only the first: requests that joined a new HTTP/2
-///   connection may have been processed before an alert.
+///   was processed. Only a refusal's alert
+///   ([`crate::tls::is_handshake_refusal`]; a corrupt record after the
+///   request left is uncertain), and only for the first request: requests
+///   that joined a new HTTP/2 connection may have been processed before an
+///   alert.
 /// - HTTP/2 `REFUSED_STREAM` on the stream: the upstream says it did not
 ///   process it (RFC 9113 §8.7).
 /// - HTTP/2 graceful `GOAWAY` (`NO_ERROR`) naming a last stream below this
@@ -179,7 +182,7 @@ pub(super) async fn send(
 fn classify(e: &hyper::Error, first: bool, exact_goaway: bool) -> SendError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
     while let Some(cause) = source {
-        if first && crate::tls::is_rustls_error(cause) {
+        if first && crate::tls::is_handshake_refusal(cause) {
             return SendError::Tls(e.to_string());
         }
         if let Some(h2) = cause.downcast_ref::<h2::Error>()

@@ -37,12 +37,15 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
+use crate::idempotency::{CLAIMS_PER_CONNECTION, ConnectionClaims};
+
 /// An idle HTTP/2 connection is pinged this often; one that does not
 /// answer within hyper's keep-alive timeout (20 s) is closed.
 pub const H2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// Streams one HTTP/2 connection may have open at once (nginx's default
 /// is 128, Envoy's 100): each is a request.
-pub const H2_MAX_CONCURRENT_STREAMS: u32 = 128;
+/// A connection's claims are bounded by the same number.
+pub const H2_MAX_CONCURRENT_STREAMS: u32 = CLAIMS_PER_CONNECTION as u32;
 /// Bytes of headers one HTTP/2 request may carry, decoded.
 pub const H2_MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
 /// Streams a client may open and reset before the gateway served them;
@@ -58,6 +61,9 @@ pub struct ConnLimits {
     /// Bound on the TLS handshake and on each HTTP/1.1 request head.
     pub header_read_timeout: Duration,
     pub max_connections: usize,
+    /// Claims one connection may leave live (see
+    /// [`crate::idempotency::budget`]).
+    pub claims_per_connection: usize,
     pub shutdown_grace: Duration,
     /// HTTP/2 beside HTTP/1.1.
     pub http2: bool,
@@ -75,6 +81,7 @@ impl ConnLimits {
         ConnLimits {
             header_read_timeout,
             max_connections,
+            claims_per_connection: CLAIMS_PER_CONNECTION,
             shutdown_grace,
             http2: true,
             tls: None,
@@ -193,8 +200,10 @@ impl ShutdownSignal {
 
 /// Serves HTTP/1.1 and HTTP/2 on `listener` until `shutdown`, then drains.
 ///
-/// `make_service` is called once per connection with the peer address and
-/// whether it came over TLS. A service error closes the connection without
+/// `make_service` is called once per connection with the peer address,
+/// whether it came over TLS, and the connection's claims (which hold its
+/// `max_connections` slot until the last of them ends: see
+/// [`crate::idempotency::budget`]). A service error closes the connection without
 /// an answer (the demo upstream uses that to simulate a lost
 /// acknowledgement). With a `seat`, this loop is one of several workers on
 /// one socket: it serves the connections the balance leaves here and those
@@ -206,7 +215,7 @@ pub async fn serve<F, S, E>(
     mut seat: Option<balance::Seat>,
     mut shutdown: ShutdownSignal,
 ) where
-    F: Fn(SocketAddr, bool) -> S,
+    F: Fn(SocketAddr, bool, ConnectionClaims) -> S,
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = E>
         + Send
         + 'static,
@@ -239,8 +248,9 @@ pub async fn serve<F, S, E>(
                     },
                 },
                 Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, layer = "server", "accept failed");
+                    // EMFILE and friends: back off instead of spinning, and
+                    // say so once a minute, not once per try.
+                    accept_failed(&e, limits.max_connections - slots.available_permits());
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -249,7 +259,10 @@ pub async fn serve<F, S, E>(
             _ = shutdown.wait() => break,
         };
         let _ = stream.set_nodelay(true);
-        let service = make_service(peer, acceptor.is_some());
+        // The slot now belongs to the connection's claims: a claim that
+        // outlives its connection keeps it taken.
+        let claims = ConnectionClaims::new(Some(slot), limits.claims_per_connection);
+        let service = make_service(peer, acceptor.is_some(), claims.clone());
         let builders = builders.clone();
         let watcher = graceful.watcher();
         let acceptor = acceptor.clone();
@@ -313,6 +326,14 @@ pub async fn serve<F, S, E>(
                                 conn.as_mut().graceful_shutdown();
                                 closing = true;
                             }
+                            // Resets left more claims running than the
+                            // connection may have streams: no new stream
+                            // (GOAWAY), the claims finish on their own.
+                            _ = claims.too_many(), if !closing => {
+                                tracing::warn!(%peer, claims = claims.live(), layer = "server", "connection left its limit of claims behind; GOAWAY");
+                                conn.as_mut().graceful_shutdown();
+                                closing = true;
+                            }
                             _ = activity.idle_for(handshake_timeout), if !closing => {
                                 tracing::debug!(%peer, layer = "server", "idle HTTP/2 connection closed");
                                 conn.as_mut().graceful_shutdown();
@@ -325,7 +346,7 @@ pub async fn serve<F, S, E>(
             if let Err(e) = ended {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
-            drop(slot);
+            drop(claims);
             drop(counted);
         }));
     }
@@ -336,6 +357,17 @@ pub async fn serve<F, S, E>(
         _ = tokio::time::sleep(limits.shutdown_grace) => {
             tracing::warn!(grace = ?limits.shutdown_grace, "shutdown grace elapsed with requests still running");
         }
+    }
+}
+
+/// Logs a failed `accept` at most once a minute per process, with what
+/// was open.
+fn accept_failed(e: &std::io::Error, open: usize) {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+        *last = Some(std::time::Instant::now());
+        tracing::warn!(error = %e, open_connections = open, descriptor_limit = ?crate::limits::descriptor_limit(), layer = "server", "accept failed; backing off (logged once a minute)");
     }
 }
 
@@ -351,26 +383,29 @@ async fn handed_over(
 }
 
 /// Adapts a cloneable tower service (body: axum's) to hyper, one per
-/// connection, recording the peer address on every request.
+/// connection, recording the peer address and the connection's claims on
+/// every request.
 #[derive(Clone)]
 pub struct PeerService<T> {
     service: T,
     peer: crate::proxy::ClientAddr,
+    claims: ConnectionClaims,
 }
 
 impl<T> PeerService<T> {
     /// The per-connection factory [`serve`] takes.
-    pub fn factory(service: T) -> impl Fn(SocketAddr, bool) -> PeerService<T>
+    pub fn factory(service: T) -> impl Fn(SocketAddr, bool, ConnectionClaims) -> PeerService<T>
     where
         T: Clone,
     {
-        move |peer, tls| PeerService {
+        move |peer, tls, claims| PeerService {
             service: service.clone(),
             peer: if tls {
                 crate::proxy::ClientAddr::secure(peer)
             } else {
                 crate::proxy::ClientAddr::new(peer)
             },
+            claims,
         }
     }
 }
@@ -391,6 +426,7 @@ where
         use tower::ServiceExt;
         let mut req = req.map(Body::new);
         req.extensions_mut().insert(self.peer.clone());
+        req.extensions_mut().insert(self.claims.clone());
         self.service.clone().oneshot(req)
     }
 }

@@ -255,6 +255,8 @@ pub struct StoreOptions {
     /// retention (zero: not at all).
     pub tombstone: Duration,
     pub fast_layer_budget: Duration,
+    /// Bytes the in-process fast layer may hold.
+    pub memory_layer_bytes: usize,
 }
 
 /// The store the options ask for, with its migrations applied, plus the
@@ -266,10 +268,12 @@ pub async fn open(
 ) -> Result<(Store, Option<Arc<memory::MemoryLayer>>), StoreError> {
     let sql = sql::SqlStore::connect(&sql_settings(config, config.pool_size)).await?;
     sql.migrate().await?;
-    let memory = config
-        .redis_url
-        .is_empty()
-        .then(|| Arc::new(memory::MemoryLayer::new(memory::DEFAULT_MAX_ENTRIES)));
+    let memory = config.redis_url.is_empty().then(|| {
+        Arc::new(memory::MemoryLayer::with_budget(
+            memory::DEFAULT_MAX_ENTRIES,
+            config.memory_layer_bytes,
+        ))
+    });
     let fast = fast_layer(config, memory.clone())?;
     let channel = if !config.redis_url.is_empty() {
         settle::Channel::Redis

@@ -1,0 +1,251 @@
+//! The clients of `loadtest/abuse.sh`: a steady legitimate client, and the
+//! abusive ones it runs beside. Prints one JSON line per run. Only ever
+//! point it at 127.0.0.1: every run is bounded in time or count.
+//!
+//! ```text
+//! abuse_bench legit     URL RATE SECONDS          # fresh-key POSTs at RATE/s on keep-alive connections
+//! abuse_bench hangup    ADDR COUNT DELAY_MS       # POST with a fresh key, then hang up; COUNT of them
+//! abuse_bench resets    ADDR COUNT DELAY_MS       # one h2c connection: HEADERS, RST_STREAM 5 ms later
+//! abuse_bench big       URL COUNT BYTES            # fresh keys whose answers are BYTES long
+//! abuse_bench slowloris ADDR CONNS SECONDS h1|h2  # connections that send a byte now and then
+//! ```
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::io::AsyncWriteExt;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn run_id() -> String {
+    uuid::Uuid::now_v7().simple().to_string()
+}
+
+async fn legit(url: &str, rate: u64, seconds: u64) {
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let run = run_id();
+    let latencies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+    let until = Instant::now() + Duration::from_secs(seconds);
+    let mut tasks = Vec::new();
+    let mut i = 0u64;
+    while Instant::now() < until {
+        ticker.tick().await;
+        i += 1;
+        let (client, url, latencies, errors) = (
+            client.clone(),
+            url.to_owned(),
+            latencies.clone(),
+            errors.clone(),
+        );
+        let key = format!("legit-{run}-{i}");
+        tasks.push(tokio::spawn(async move {
+            let started = Instant::now();
+            let request = http::Request::post(&url)
+                .header("idempotency-key", key)
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .unwrap();
+            let ok = match tokio::time::timeout(Duration::from_secs(10), client.request(request))
+                .await
+            {
+                Ok(Ok(response)) => {
+                    let status = response.status();
+                    let _ = response.into_body().collect().await;
+                    status.is_success()
+                }
+                _ => false,
+            };
+            if ok {
+                latencies.lock().unwrap().push(started.elapsed());
+            } else {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    let mut latencies = latencies.lock().unwrap().clone();
+    latencies.sort();
+    let at = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
+            .map(|d| (d.as_secs_f64() * 10_000.0).round() / 10.0)
+            .unwrap_or(0.0)
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "ok": latencies.len(),
+            "errors": errors.load(Ordering::Relaxed),
+            "p50_ms": at(0.5),
+            "p99_ms": at(0.99),
+            "max_ms": at(1.0),
+        })
+    );
+}
+
+async fn hangup(addr: &str, count: u64, delay_ms: u64) {
+    let run = run_id();
+    let mut tasks = Vec::new();
+    for i in 0..count {
+        let (addr, key) = (addr.to_owned(), format!("hang-{run}-{i}"));
+        tasks.push(tokio::spawn(async move {
+            let Ok(mut socket) = tokio::net::TcpStream::connect(&addr).await else {
+                return false;
+            };
+            let request = format!(
+                "POST /actions/abuse HTTP/1.1\r\nHost: gw\r\nIdempotency-Key: {key}\r\n\
+                 X-Demo-Delay-Ms: {delay_ms}\r\nContent-Length: 2\r\n\r\n{{}}"
+            );
+            socket.write_all(request.as_bytes()).await.is_ok()
+        }));
+        if i % 100 == 99 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let mut sent = 0;
+    for task in tasks {
+        sent += u64::from(task.await.unwrap_or(false));
+    }
+    println!("{}", serde_json::json!({"sent": sent}));
+}
+
+async fn resets(addr: &str, count: u64, delay_ms: u64) {
+    let run = run_id();
+    let Ok(tcp) = tokio::net::TcpStream::connect(addr).await else {
+        println!("{}", serde_json::json!({"error": "connect"}));
+        return;
+    };
+    let Ok((client, connection)) = h2::client::handshake(tcp).await else {
+        println!("{}", serde_json::json!({"error": "handshake"}));
+        return;
+    };
+    let driver = tokio::spawn(connection);
+    let (mut sent, mut refused) = (0u64, false);
+    for i in 0..count {
+        let Ok(mut client) = client.clone().ready().await else {
+            refused = true;
+            break;
+        };
+        let request = http::Request::post("http://gw/actions/abuse")
+            .header("idempotency-key", format!("rst-{run}-{i}"))
+            .header("x-demo-delay-ms", delay_ms.to_string())
+            .body(())
+            .unwrap();
+        match client.send_request(request, true) {
+            Ok((response, _)) => {
+                sent += 1;
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(Duration::from_millis(5), response).await;
+                });
+            }
+            Err(_) => {
+                refused = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let closed = tokio::time::timeout(Duration::from_secs(10), driver)
+        .await
+        .is_ok();
+    println!(
+        "{}",
+        serde_json::json!({"sent": sent, "refused_new_streams": refused, "closed": closed})
+    );
+}
+
+async fn big(url: &str, count: u64, bytes: u64) {
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let run = run_id();
+    let mut ok = 0;
+    for wave in 0..count.div_ceil(20) {
+        let tasks: Vec<_> = (0..20.min(count - wave * 20))
+            .map(|i| {
+                let (client, url) = (client.clone(), url.to_owned());
+                let key = format!("big-{run}-{wave}-{i}");
+                tokio::spawn(async move {
+                    let request = http::Request::post(&url)
+                        .header("idempotency-key", key)
+                        .header("x-demo-response-bytes", bytes.to_string())
+                        .body(Full::new(Bytes::from_static(b"{}")))
+                        .unwrap();
+                    match client.request(request).await {
+                        Ok(response) => response.into_body().collect().await.is_ok(),
+                        Err(_) => false,
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            ok += u64::from(task.await.unwrap_or(false));
+        }
+    }
+    println!("{}", serde_json::json!({"ok": ok}));
+}
+
+async fn slowloris(addr: &str, conns: u64, seconds: u64, h2: bool) {
+    let until = Instant::now() + Duration::from_secs(seconds);
+    let opened = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<_> = (0..conns)
+        .map(|_| {
+            let (addr, opened) = (addr.to_owned(), opened.clone());
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    let Ok(mut socket) = tokio::net::TcpStream::connect(&addr).await else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    opened.fetch_add(1, Ordering::Relaxed);
+                    let start: &[u8] = if h2 {
+                        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                    } else {
+                        b"POST /actions/abuse HTTP/1.1\r\nHost: gw\r\n"
+                    };
+                    if socket.write_all(start).await.is_err() {
+                        continue;
+                    }
+                    // A byte now and then, never a whole head.
+                    while Instant::now() < until {
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        if socket.write_all(b"X").await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        let _ = task.await;
+    }
+    println!(
+        "{}",
+        serde_json::json!({"connections_opened": opened.load(Ordering::Relaxed)})
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let n = |i: usize| -> u64 { args[i].parse().unwrap() };
+    match args.get(1).map(String::as_str) {
+        Some("legit") => legit(&args[2], n(3), n(4)).await,
+        Some("hangup") => hangup(&args[2], n(3), n(4)).await,
+        Some("resets") => resets(&args[2], n(3), n(4)).await,
+        Some("big") => big(&args[2], n(3), n(4)).await,
+        Some("slowloris") => slowloris(&args[2], n(3), n(4), args[5] == "h2").await,
+        _ => {
+            eprintln!("usage: see loadtest/abuse.rs");
+            std::process::exit(2);
+        }
+    }
+}

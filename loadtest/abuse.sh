@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Bounded under abuse (loadtest/README.md, SPEC §1 rule 10): each abusive
+# client beside a steady legitimate one, against one gateway (SQLite, the
+# in-process fast layer, a descriptor limit of 1,024 as systemd sets by
+# default) in front of the demo upstream. Per scenario: the peak of
+# upstream requests in flight, the gateway's peak descriptors and RSS, the
+# legitimate client's p99 and errors, beside a quiet run. Writes
+# loadtest/results/abuse.md. Only 127.0.0.1 is targeted.
+#
+#   loadtest/abuse.sh [SECONDS_PER_SCENARIO] [LEGIT_RATE]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-10}
+RATE=${2:-100}
+NOFILE=${NOFILE:-1024}
+WORK=$(mktemp -d /tmp/idemgate-abuse.XXXX)
+if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
+  BIN=$IDEMGATE_BIN_DIR
+else
+  cargo build --profile dist -q --bins --example abuse_bench
+  BIN=target/dist
+fi
+CLIENT=${ABUSE_BENCH:-target/dist/examples/abuse_bench}
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_up() { for _ in $(seq 100); do curl -sf "$1" >/dev/null && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+UP=$(free_port); GW=$(free_port); ADMIN=$(free_port)
+"$BIN/demo-upstream" "127.0.0.1:$UP" >"$WORK/upstream.log" 2>&1 & pids+=($!)
+wait_up "http://127.0.0.1:$UP/healthz"
+cat > "$WORK/idemgate.toml" <<TOML
+[server]
+listen = "127.0.0.1:$GW"
+admin_listen = "127.0.0.1:$ADMIN"
+worker_threads = 2
+header_read_timeout = "5s"
+[store]
+database_url = "sqlite://$WORK/records.db"
+[[upstreams]]
+name = "demo"
+url = "http://127.0.0.1:$UP"
+timeout = "5s"
+[[routes]]
+name = "actions"
+methods = ["POST"]
+path_prefix = "/actions/"
+upstream = "demo"
+idempotency = "key"
+TOML
+sh -c "ulimit -n $NOFILE && exec env IDEMGATE_LOG=warn $BIN/idemgate serve --config $WORK/idemgate.toml" \
+  >"$WORK/gateway.log" 2>&1 &
+GPID=$!; pids+=($GPID)
+wait_up "http://127.0.0.1:$ADMIN/healthz"
+
+# Samples the gateway's RSS and descriptors every 200 ms into $WORK/samples.
+sample() {
+  : > "$WORK/samples"
+  while kill -0 "$GPID" 2>/dev/null; do
+    rss=$(ps -o rss= -p "$GPID" | tr -d ' ')
+    fds=$(ls "/proc/$GPID/fd" 2>/dev/null | wc -l)
+    echo "$rss $fds" >> "$WORK/samples"
+    sleep 0.2
+  done
+}
+
+scenario() { # name abuse-command...
+  local name=$1; shift
+  curl -s -X POST "http://127.0.0.1:$UP/reset" >/dev/null
+  sample & local sampler=$!
+  "$CLIENT" legit "http://127.0.0.1:$GW/actions/legit" "$RATE" "$SECS" > "$WORK/legit.json" &
+  local legit=$!
+  sleep 0.5
+  local abuse='{}'
+  if [ $# -gt 0 ]; then abuse=$("$@" 2>/dev/null || echo '{}'); fi
+  wait "$legit"
+  # Let what the abuse left behind finish, then measure the residue.
+  sleep 2
+  kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true
+  local peak; peak=$(curl -s "http://127.0.0.1:$UP/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["peak_running"])')
+  python3 - "$name" "$peak" "$WORK/samples" "$WORK/legit.json" "$abuse" >> "$WORK/table.md" <<'PY'
+import json, sys
+name, peak, samples, legit, abuse = sys.argv[1:]
+rows = [tuple(map(int, l.split())) for l in open(samples) if l.strip()]
+rss = max(r[0] for r in rows) / 1024 if rows else 0
+end_rss = rows[-1][0] / 1024 if rows else 0
+fds = max(r[1] for r in rows) if rows else 0
+l = json.load(open(legit))
+print(f"| {name} | {peak} | {fds} | {rss:.0f} / {end_rss:.0f} | {l['p50_ms']} | {l['p99_ms']} | {l['errors']} / {l['ok'] + l['errors']} | {abuse} |")
+PY
+}
+
+scenario "quiet"
+scenario "hang-up storm (3,000)" "$CLIENT" hangup "127.0.0.1:$GW" 3000 500
+scenario "HEADERS+RST flood (600, one h2c connection)" "$CLIENT" resets "127.0.0.1:$GW" 600 2000
+scenario "big answers (600 × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions/big" 600 1000000
+scenario "slow-loris HTTP/1.1 (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h1
+scenario "slow-loris h2c (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h2
+
+{
+  echo "# Abuse beside a legitimate client ($(date -u +%Y-%m-%d), $(git rev-parse --short HEAD))"
+  echo
+  echo "\`loadtest/abuse.sh $SECS $RATE\`: one gateway (2 workers, SQLite, in-process fast layer, \`ulimit -n $NOFILE\`) in front of the demo upstream; a legitimate client sends $RATE fresh-key POSTs a second for $SECS s on keep-alive connections while each abuser runs. Peak in flight = the upstream's most requests at once; RSS peak / at the end (after the abuse's residue finished), MiB."
+  echo
+  echo "| scenario | peak upstream in flight | peak descriptors | RSS MiB peak / end | legit p50 ms | legit p99 ms | legit errors | abuser |"
+  echo "|---|---|---|---|---|---|---|---|"
+  cat "$WORK/table.md"
+} | tee loadtest/results/abuse.md
+grep -c "Too many open files" "$WORK/gateway.log" | sed 's/^/EMFILE lines in the gateway log: /'
