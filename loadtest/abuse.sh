@@ -13,6 +13,10 @@ cd "$(dirname "$0")/.."
 SECS=${1:-10}
 RATE=${2:-100}
 NOFILE=${NOFILE:-1024}
+# STORE=postgres: Postgres + Redis instead of SQLite + the in-process layer.
+STORE=${STORE:-sqlite}
+PG_URL=${IDEMGATE_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
+SCHEMA="bench_abuse_$$"
 WORK=$(mktemp -d /tmp/idemgate-abuse.XXXX)
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
@@ -24,10 +28,17 @@ CLIENT=${ABUSE_BENCH:-target/dist/examples/abuse_bench}
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_up() { for _ in $(seq 100); do curl -sf "$1" >/dev/null && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ "$STORE" = postgres ] && psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
+}
 trap cleanup EXIT
 
 UP=$(free_port); GW=$(free_port); ADMIN=$(free_port)
+if [ "$STORE" = postgres ]; then
+  scripts/services.sh >/dev/null
+  psql -q "$PG_URL" -c "CREATE SCHEMA $SCHEMA"
+fi
 "$BIN/demo-upstream" "127.0.0.1:$UP" >"$WORK/upstream.log" 2>&1 & pids+=($!)
 wait_up "http://127.0.0.1:$UP/healthz"
 cat > "$WORK/idemgate.toml" <<TOML
@@ -37,7 +48,14 @@ admin_listen = "127.0.0.1:$ADMIN"
 worker_threads = 2
 header_read_timeout = "5s"
 [store]
-database_url = "sqlite://$WORK/records.db"
+$(if [ "$STORE" = postgres ]; then
+  echo "database_url = \"$PG_URL?options[search_path]=$SCHEMA\""
+  echo "redis_url = \"redis://127.0.0.1:6379/\""
+  echo "redis_prefix = \"bench-abuse-$$:\""
+else
+  echo "database_url = \"sqlite://$WORK/records.db\""
+fi)
+memory_layer_bytes = ${MEMORY_LAYER_BYTES:-67108864}
 [[upstreams]]
 name = "demo"
 url = "http://127.0.0.1:$UP"
@@ -58,16 +76,22 @@ wait_up "http://127.0.0.1:$ADMIN/healthz"
 sample() {
   : > "$WORK/samples"
   while kill -0 "$GPID" 2>/dev/null; do
-    rss=$(ps -o rss= -p "$GPID" | tr -d ' ')
+    # RSS less what the allocator already gave back with MADV_FREE (the
+    # kernel counts it until it needs the memory).
+    rss=$(awk '/^Rss:/ {r=$2} /^LazyFree:/ {l=$2} END {print r-l}' "/proc/$GPID/smaps_rollup")
     fds=$(ls "/proc/$GPID/fd" 2>/dev/null | wc -l)
     echo "$rss $fds" >> "$WORK/samples"
     sleep 0.2
   done
 }
 
+# Busy and total jiffies of the whole machine (all cores).
+cpu() { awk '/^cpu / {busy=$2+$3+$4+$7+$8; total=busy+$5+$6; print busy, total}' /proc/stat; }
+
 scenario() { # name abuse-command...
   local name=$1; shift
   curl -s -X POST "http://127.0.0.1:$UP/reset" >/dev/null
+  local cpu_before; cpu_before=$(cpu)
   sample & local sampler=$!
   "$CLIENT" legit "http://127.0.0.1:$GW/actions/legit" "$RATE" "$SECS" > "$WORK/legit.json" &
   local legit=$!
@@ -75,36 +99,42 @@ scenario() { # name abuse-command...
   local abuse='{}'
   if [ $# -gt 0 ]; then abuse=$("$@" 2>/dev/null || echo '{}'); fi
   wait "$legit"
-  # Let what the abuse left behind finish, then measure the residue.
-  sleep 2
+  local cpu_after; cpu_after=$(cpu)
+  local busy; busy=$(echo "$cpu_before $cpu_after" | awk '{printf "%.0f", 100*($3-$1)/($4-$2)}')
+  # Let what the abuse left behind finish (and the allocator return what
+  # it freed: jemalloc decays dirty pages after 10 s), then the residue.
+  sleep 12
   kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true
   local peak; peak=$(curl -s "http://127.0.0.1:$UP/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["peak_running"])')
-  python3 - "$name" "$peak" "$WORK/samples" "$WORK/legit.json" "$abuse" >> "$WORK/table.md" <<'PY'
+  python3 - "$name" "$peak" "$WORK/samples" "$WORK/legit.json" "$abuse" "$busy" >> "$WORK/table.md" <<'PY'
 import json, sys
-name, peak, samples, legit, abuse = sys.argv[1:]
+name, peak, samples, legit, abuse, busy = sys.argv[1:]
 rows = [tuple(map(int, l.split())) for l in open(samples) if l.strip()]
 rss = max(r[0] for r in rows) / 1024 if rows else 0
 end_rss = rows[-1][0] / 1024 if rows else 0
 fds = max(r[1] for r in rows) if rows else 0
 l = json.load(open(legit))
-print(f"| {name} | {peak} | {fds} | {rss:.0f} / {end_rss:.0f} | {l['p50_ms']} | {l['p99_ms']} | {l['errors']} / {l['ok'] + l['errors']} | {abuse} |")
+print(f"| {name} | {peak} | {fds} | {rss:.0f} / {end_rss:.0f} | {l['p50_ms']} | {l['p99_ms']} | {l['errors']} / {l['ok'] + l['errors']} | {busy}% | {abuse} |")
 PY
 }
 
 scenario "quiet"
+[ -n "${ONLY_BIG:-}" ] || {
 scenario "hang-up storm (3,000)" "$CLIENT" hangup "127.0.0.1:$GW" 3000 500
 scenario "HEADERS+RST flood (600, one h2c connection)" "$CLIENT" resets "127.0.0.1:$GW" 600 2000
-scenario "big answers (600 × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions/big" 600 1000000
 scenario "slow-loris HTTP/1.1 (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h1
 scenario "slow-loris h2c (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h2
+}
+# Last: the allocator keeps some of what it held for the others to see.
+scenario "big answers (600 × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions/big" 600 1000000
 
 {
   echo "# Abuse beside a legitimate client ($(date -u +%Y-%m-%d), $(git rev-parse --short HEAD))"
   echo
-  echo "\`loadtest/abuse.sh $SECS $RATE\`: one gateway (2 workers, SQLite, in-process fast layer, \`ulimit -n $NOFILE\`) in front of the demo upstream; a legitimate client sends $RATE fresh-key POSTs a second for $SECS s on keep-alive connections while each abuser runs. Peak in flight = the upstream's most requests at once; RSS peak / at the end (after the abuse's residue finished), MiB."
+  echo "\`STORE=$STORE loadtest/abuse.sh $SECS $RATE\`: one gateway (2 workers, $([ "$STORE" = postgres ] && echo "Postgres + Redis" || echo "SQLite + the in-process fast layer"), \`ulimit -n $NOFILE\`) in front of the demo upstream; a legitimate client sends $RATE fresh-key POSTs a second for $SECS s on keep-alive connections while each abuser runs. Peak in flight = the upstream's most requests at once; RSS (less lazily freed pages) peak / 12 s after the scenario (its residue finished, freed memory decayed), MiB."
   echo
-  echo "| scenario | peak upstream in flight | peak descriptors | RSS MiB peak / end | legit p50 ms | legit p99 ms | legit errors | abuser |"
-  echo "|---|---|---|---|---|---|---|---|"
+  echo "| scenario | peak upstream in flight | peak descriptors | RSS MiB peak / end | legit p50 ms | legit p99 ms | legit errors | machine CPU busy | abuser |"
+  echo "|---|---|---|---|---|---|---|---|---|"
   cat "$WORK/table.md"
-} | tee loadtest/results/abuse.md
+} | tee "loadtest/results/abuse-$STORE.md"
 grep -c "Too many open files" "$WORK/gateway.log" | sed 's/^/EMFILE lines in the gateway log: /'

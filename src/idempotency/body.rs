@@ -156,10 +156,23 @@ pub enum Captured {
 
 /// Reads a response body up to `cap` bytes.
 pub async fn capture(mut body: Body, cap: usize) -> Captured {
-    let mut buffer = BytesMut::new();
+    // Sized from the body's own length when it has one: a buffer grown by
+    // doubling holds up to twice the body, and the stored copy (kept for
+    // the whole retention by the in-process layer) would hold it all.
+    let expected = http_body::Body::size_hint(&body).exact();
+    let mut buffer = match expected {
+        Some(n) if n as usize <= cap => BytesMut::with_capacity(n as usize),
+        _ => BytesMut::new(),
+    };
     loop {
         match body.frame().await {
-            None => return Captured::Whole(buffer.freeze()),
+            None => {
+                if buffer.capacity() > buffer.len() + buffer.len() / 4 + 64 {
+                    // Grown past its length: keep an exact copy instead.
+                    return Captured::Whole(Bytes::copy_from_slice(&buffer));
+                }
+                return Captured::Whole(buffer.freeze());
+            }
             Some(Err(e)) => return Captured::Broken(e.to_string()),
             Some(Ok(frame)) => {
                 let Ok(data) = frame.into_data() else {

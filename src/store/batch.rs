@@ -78,6 +78,23 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
         F: Future<Output = (Vec<J>, Result<Vec<R>, StoreError>)> + Send + 'static,
         O: Fn(J, R) + Send + Sync + 'static,
     {
+        Self::spawn_with_max(op, timeout, MAX_BATCH, write, orphaned)
+    }
+
+    /// [`Self::spawn`], at most `max_batch` jobs per statement.
+    pub fn spawn_with_max<W, F, O>(
+        op: &'static str,
+        timeout: Duration,
+        max_batch: usize,
+        write: W,
+        orphaned: O,
+    ) -> Self
+    where
+        W: Fn(Vec<J>) -> F + Send + Sync + 'static,
+        F: Future<Output = (Vec<J>, Result<Vec<R>, StoreError>)> + Send + 'static,
+        O: Fn(J, R) + Send + Sync + 'static,
+    {
+        let max_batch = max_batch.clamp(1, MAX_BATCH);
         let (queue, mut jobs) = mpsc::channel::<Job<J, R>>(QUEUE_CAPACITY);
         let writers = Arc::new(Semaphore::new(WRITERS));
         let write = Arc::new(write);
@@ -95,7 +112,7 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
                     if let Some(job) = still_wanted(job, op, timeout) {
                         batch.push(job);
                     }
-                    if batch.len() < MAX_BATCH {
+                    if batch.len() < max_batch {
                         next = jobs.try_recv().ok();
                     }
                 }

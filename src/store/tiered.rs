@@ -24,7 +24,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::batch::Batcher;
+use super::batch::{Batcher, MAX_BATCH};
 use super::codec::FastEntry;
 use super::fast::FastLayer;
 use super::held::HeldConnection;
@@ -36,6 +36,32 @@ use crate::metrics::Metrics;
 /// Where token records live (kept equal to [`crate::token::TOKEN_RECORDS`]
 /// by a test; the store does not depend on the token module).
 pub const TOKEN_NAMESPACE: &str = "/token";
+
+/// A completion whose body is larger goes to the large lane.
+const LARGE_BODY: usize = 64 * 1024;
+
+/// A batch writer of completions, on its own kept connection.
+fn completion_batcher(
+    sql: &SqlStore,
+    max_batch: usize,
+) -> Batcher<Completion, Option<(Duration, bool)>> {
+    let sql = sql.clone();
+    let held = Arc::new(HeldConnection::default());
+    Batcher::spawn_with_max(
+        "complete",
+        sql.timeout(),
+        max_batch,
+        move |batch: Vec<Completion>| {
+            let (sql, held) = (sql.clone(), held.clone());
+            async move {
+                let result = sql.complete_many(&batch, &held).await;
+                (batch, result)
+            }
+        },
+        // A holder whose write timed out checks whether it landed.
+        |_, _| {},
+    )
+}
 
 /// Timing settings of the store (from `[store]`).
 #[derive(Debug, Clone, Copy)]
@@ -52,6 +78,10 @@ pub struct Store {
     sql: SqlStore,
     claims: Batcher<NewClaim, Option<(i64, i64)>>,
     completions: Batcher<Completion, Option<(Duration, bool)>>,
+    /// Completions with large bodies, in a lane of their own: a batch of
+    /// megabyte answers takes its time to write, and the small ones (most
+    /// of them) must not queue behind it.
+    large_completions: Batcher<Completion, Option<(Duration, bool)>>,
     fast: Option<Arc<dyn FastLayer>>,
     settings: StoreSettings,
     metrics: Arc<Metrics>,
@@ -112,23 +142,11 @@ impl Store {
                     },
                 )
             },
-            completions: {
-                let sql = sql.clone();
-                let held = Arc::new(HeldConnection::default());
-                Batcher::spawn(
-                    "complete",
-                    sql.timeout(),
-                    move |batch: Vec<Completion>| {
-                        let (sql, held) = (sql.clone(), held.clone());
-                        async move {
-                            let result = sql.complete_many(&batch, &held).await;
-                            (batch, result)
-                        }
-                    },
-                    // A holder whose write timed out checks whether it landed.
-                    |_, _| {},
-                )
-            },
+            completions: completion_batcher(&sql, MAX_BATCH),
+            // One at a time: the statement (and, on SQLite, the one
+            // connection) is taken for a single large write, and the
+            // claims and small completions get their turns in between.
+            large_completions: completion_batcher(&sql, 1),
             sql,
             fast,
             settings,
@@ -333,8 +351,12 @@ impl Store {
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
         let started = Instant::now();
-        let done = self
-            .completions
+        let lane = if response.body.len() > LARGE_BODY {
+            &self.large_completions
+        } else {
+            &self.completions
+        };
+        let done = lane
             .submit(Completion {
                 key: key.clone(),
                 epoch,
