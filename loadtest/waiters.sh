@@ -19,10 +19,10 @@ scripts/services.sh >/dev/null
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --release -q --bins --example waiters_bench
-  BIN=target/release
+  cargo build --profile dist -q --bins --example waiters_bench
+  BIN=target/dist
 fi
-EXAMPLE=${WAITERS_BENCH:-target/release/examples/waiters_bench}
+EXAMPLE=${WAITERS_BENCH:-target/dist/examples/waiters_bench}
 
 pids=()
 cleanup() {

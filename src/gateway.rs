@@ -689,7 +689,10 @@ fn build_router(shared: &Shared, store: &Store) -> Result<(Router, BTreeSet<Stri
                     .map(|s| KeySource::parse(s))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(fail)?;
-                let policy = CallbackPolicy::new(sources, verifier).with_must_match(must_match);
+                let mut policy = CallbackPolicy::new(sources, verifier).with_must_match(must_match);
+                if r.path_prefix.is_some() {
+                    policy = policy.scoped_by_path();
+                }
                 Arc::new(TowerHandler(
                     IdempotencyLayer::new(engine, policy).layer(proxy),
                 ))

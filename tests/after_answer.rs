@@ -126,6 +126,14 @@ async fn an_uncertain_record_is_never_forwarded_beside_its_running_copy(test: &s
     let first = first.await.unwrap();
     assert_eq!(first.status, 504, "{:?}", first.body);
     assert_eq!(double_click.status, 502, "{:?}", double_click.body);
+    // Both still name the record: its key is remembered until then.
+    for answer in [&first, &double_click] {
+        assert!(
+            answer.header("idempotency-expires").is_some(),
+            "{:?}",
+            answer.headers
+        );
+    }
     assert_eq!(
         double_click.problem_type(),
         "urn:idemgate:problem:outcome-uncertain"
@@ -270,8 +278,20 @@ async fn not_run_is_forwarded_once_after_the_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_status_endpoint_that_cannot_say_forwards_nothing() {
     let test = "a_status_endpoint_that_cannot_say_forwards_nothing";
-    let route = r#"reconcile_path = "/actions/by-key/{key}?status=503""#;
-    let Some(s) = Setup::start(test, 2, "", route).await else {
+    cannot_say(test, "status=503").await;
+}
+
+/// The same for a status endpoint that does not answer within the
+/// upstream's timeout: not knowing is not "it did not run".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_endpoint_that_times_out_forwards_nothing() {
+    let test = "a_status_endpoint_that_times_out_forwards_nothing";
+    cannot_say(test, "delay_ms=3000").await;
+}
+
+async fn cannot_say(test: &str, query: &str) {
+    let route = format!(r#"reconcile_path = "/actions/by-key/{{key}}?{query}""#);
+    let Some(s) = Setup::start(test, 2, "", &route).await else {
         return;
     };
     let lost = s
@@ -285,6 +305,11 @@ async fn a_status_endpoint_that_cannot_say_forwards_nothing() {
         assert_eq!(
             retry.problem_type(),
             "urn:idemgate:problem:reconcile-failed"
+        );
+        assert!(
+            retry.header("idempotency-expires").is_some(),
+            "{:?}",
+            retry.headers
         );
     }
     assert_eq!(

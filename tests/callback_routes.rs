@@ -183,6 +183,25 @@ async fn callback_answers_say_until_when_the_business_key_is_remembered() {
     let again = deliver().await;
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     support::assert_same_expiry(&[&first, &again], Duration::from_secs(86_400));
+    // A duplicate in flight (409) names the same record.
+    let slow = |id: &'static str| {
+        let http = stack.http.clone();
+        let url = stack.url("/mq/push");
+        async move {
+            let headers = [
+                ("x-msg-id", id),
+                ("x-topic", "orders"),
+                ("x-demo-delay-ms", "500"),
+            ];
+            http.send("POST", &url, &headers, "").await
+        }
+    };
+    let running = tokio::spawn(slow("exp-2"));
+    support::reached(&stack.upstream, 2).await;
+    let in_flight = slow("exp-2").await;
+    assert_eq!(in_flight.status, 409, "{:?}", in_flight.body);
+    let running = running.await.unwrap();
+    support::assert_same_expiry(&[&running, &in_flight], Duration::from_secs(86_400));
     stack.shutdown().await;
 }
 

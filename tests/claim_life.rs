@@ -254,6 +254,51 @@ async fn a_slow_body_past_the_lease_keeps_the_claim_redis_postgres() {
     }
 }
 
+/// The same on a second gateway sharing the Postgres record: its own
+/// process state knows nothing of the first's holder, so only the lease
+/// renewed in the store (by the database's clock) keeps the duplicate out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_body_past_the_lease_keeps_the_claim_on_another_instance() {
+    let test = "a_slow_body_past_the_lease_keeps_the_claim_on_another_instance";
+    let Some(backend) = Backend::redis_postgres(test).await else {
+        return;
+    };
+    let stack = backend.stack("2s", "1s", "10s").await;
+    let other = backend
+        .gateway(stack.upstream.addr, "2s", "1s", "10s")
+        .await;
+    arm(&stack, r#"{"stall_body_ms":3500,"count":1}"#).await;
+    let start = Instant::now();
+    let first = {
+        let http = stack.http.clone();
+        let url = stack.url("/actions/slowbody");
+        tokio::spawn(async move {
+            http.send("POST", &url, &[("idempotency-key", "s-2")], "{}")
+                .await
+        })
+    };
+    let elsewhere = format!("http://{}/actions/slowbody", other.public_addr);
+    for t in [1500, 2500, 3200] {
+        at(start, Duration::from_millis(t)).await;
+        let a = stack
+            .http
+            .send("POST", &elsewhere, &[("idempotency-key", "s-2")], "{}")
+            .await;
+        assert_eq!(a.status, 409, "retry elsewhere at {t} ms: {:?}", a.body);
+    }
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    let a = stack
+        .http
+        .send("POST", &elsewhere, &[("idempotency-key", "s-2")], "{}")
+        .await;
+    assert_replayed(&a, "retry elsewhere after the body");
+    assert_eq!(executions(&stack, "slowbody"), 1);
+    assert_eq!(stack.upstream.state.stats().peak_running, 1);
+    other.shutdown().await;
+    stack.shutdown().await;
+}
+
 // === a body slower than the upstream timeout ===
 
 async fn body_past_timeout_case(backend: Backend) {

@@ -369,6 +369,7 @@ async fn a_restamped_callback_replays_and_another_amount_is_refused() {
         other.problem_type(),
         "urn:idemgate:problem:business-key-reused"
     );
+    support::assert_same_expiry(&[&first, &other], Duration::from_secs(86_400));
     assert_eq!(executions(&stack, "notify"), 1);
     stack.shutdown().await;
 }
@@ -417,13 +418,78 @@ async fn an_uncertain_callback_is_taken_over_by_its_business_key() {
     stack.shutdown().await;
 }
 
+/// On a `path_prefix` callback route the path is part of the key: one
+/// provider's payment and refund notifications carry the same trade number
+/// to two paths, and each is its own action — neither answers for the
+/// other, and each redelivery replays its own.
+#[tokio::test]
+async fn a_prefix_callback_route_keys_each_path_apart() {
+    let stack = Stack::start(NOTIFY).await;
+    let (paid, refund) = (stack.url("/actions/notify"), stack.url("/actions/refund"));
+    async fn send(stack: &Stack, url: &str, stamp: u64) -> Answer {
+        let body = notify("T-6", 100, stamp);
+        stack.http.send("POST", url, &[], body).await
+    }
+    assert_eq!(send(&stack, &paid, 1).await.status, 201);
+    let first_refund = send(&stack, &refund, 1).await;
+    assert_eq!(first_refund.status, 201, "{:?}", first_refund.body);
+    assert_eq!(first_refund.header("idempotent-replayed"), None);
+    for stamp in 2..4 {
+        let replayed = |a: Answer| a.header("idempotent-replayed").map(str::to_owned);
+        assert_eq!(
+            replayed(send(&stack, &paid, stamp).await).as_deref(),
+            Some("true")
+        );
+        assert_eq!(
+            replayed(send(&stack, &refund, stamp).await).as_deref(),
+            Some("true")
+        );
+    }
+    assert_eq!(executions(&stack, "notify"), 1);
+    assert_eq!(executions(&stack, "refund"), 1);
+    stack.shutdown().await;
+}
+
+/// Past its retention, a callback's record is taken over by a redelivery
+/// even with `store.tombstone` on: a provider retries for days and a `410`
+/// is not an acknowledgement it understands. The delivery is forwarded
+/// again with the same stable key, for the upstream's own state check.
+#[tokio::test]
+async fn an_expired_callback_is_forwarded_again_not_refused_by_its_tombstone() {
+    let stack = Stack::start_with(NOTIFY, |c| {
+        c.store.retention = Duration::from_secs(1).into();
+        c.store.tombstone = Duration::from_secs(3600).into();
+    })
+    .await;
+    assert_eq!(
+        deliver(&stack, notify("T-5", 100, 1), &[]).await.status,
+        201
+    );
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let late = deliver(&stack, notify("T-5", 100, 2), &[]).await;
+    assert_eq!(late.status, 201, "{:?}", late.body);
+    assert_eq!(late.header("idempotent-replayed"), None);
+    let again = deliver(&stack, notify("T-5", 100, 3), &[]).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let per_key = &stack.upstream.state.stats().executions["notify"];
+    assert_eq!(per_key.len(), 1, "one stable key both times: {per_key:?}");
+    assert_eq!(per_key.values().sum::<u64>(), 2);
+    // A client's key route keeps its tombstone: that half is
+    // tests/after_answer.rs's.
+    stack.shutdown().await;
+}
+
 /// A record written before callbacks were identified by their business
 /// key (its fingerprint the whole body's) still answers its exact
 /// redelivery after an upgrade.
 #[tokio::test]
 async fn a_callback_recorded_by_its_body_still_replays() {
     use sha2::Digest;
-    let stack = Stack::start(NOTIFY).await;
+    let stack = Stack::start(&NOTIFY.replace(
+        r#"path_prefix = "/actions/""#,
+        r#"path = "/actions/notify""#,
+    ))
+    .await;
     let body = notify("T-4", 100, 1);
     let mut hash = sha2::Sha256::new();
     hash.update(b"POST\0/actions/notify\0");

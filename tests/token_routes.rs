@@ -169,7 +169,9 @@ async fn a_token_in_flight_is_409() {
     .await;
     assert_eq!(dup.status, 409);
     assert!(dup.header("retry-after").is_some());
-    assert_eq!(first.await.unwrap().status, 201);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    support::assert_same_expiry(&[&first, &dup], Duration::from_secs(86_400));
     stack.shutdown().await;
 }
 

@@ -23,6 +23,10 @@ pub struct CallbackPolicy {
     /// names as configured.
     must_match: Arc<[KeySource]>,
     must_match_names: Arc<[String]>,
+    /// The request path is part of the key (a `path_prefix` route: one
+    /// provider's payment and refund notifications carry the same trade
+    /// number to two paths, and are two actions).
+    by_path: bool,
 }
 
 impl CallbackPolicy {
@@ -33,7 +37,16 @@ impl CallbackPolicy {
             verifier: verifier.map(Arc::new),
             must_match: Arc::new([]),
             must_match_names: Arc::new([]),
+            by_path: false,
         }
+    }
+
+    /// Makes the request path part of every key: for a route that serves
+    /// several paths (`path_prefix`), where one business key may name a
+    /// different action on each.
+    pub(crate) fn scoped_by_path(mut self) -> Self {
+        self.by_path = true;
+        self
     }
 
     /// Fields a redelivery with the same business key must repeat; one that
@@ -54,6 +67,8 @@ impl Policy for CallbackPolicy {
     const LAYER: &'static str = "callback";
 
     const CLIENT_SCOPED: bool = false;
+
+    const TOMBSTONED: bool = false;
 
     /// A redelivery is the same delivery whenever its business key is:
     /// providers re-stamp retries (`notify_time`, attempt counters), and a
@@ -96,7 +111,7 @@ impl Policy for CallbackPolicy {
                     .detail(e.to_string())
                 })?;
         }
-        business_key(&self.sources, parts, body).map_err(|e| {
+        let key = business_key(&self.sources, parts, body).map_err(|e| {
             let (reason, title) = match e {
                 super::key::KeyError::Missing(_) => (
                     "business-key-missing",
@@ -108,6 +123,11 @@ impl Policy for CallbackPolicy {
                 ),
             };
             Problem::new(StatusCode::BAD_REQUEST, reason, title).detail(e.to_string())
+        })?;
+        Ok(match self.by_path {
+            // A path never holds a raw space: the two halves cannot blur.
+            true => format!("{} {key}", parts.uri.path()),
+            false => key,
         })
     }
 }

@@ -599,6 +599,22 @@ impl Config {
                 }
             }
         }
+        // A hold shorter than the upstream's timeout lets a retry of an
+        // uncertain request be forwarded while the first copy may still be
+        // running there: safe only if the upstream stops its own work then.
+        for (i, u) in self.upstreams.iter().enumerate() {
+            if u.uncertain_hold() < u.timeout.get() {
+                warnings.push(Problem {
+                    key: format!("upstreams[{i}].uncertain_hold"),
+                    reason: format!(
+                        "upstream {:?} holds an uncertain key {} but may run a request for {}                          (timeout): a retry can then be forwarded beside a copy still running                          there, unless the upstream cancels its work when the gateway gives up;                          leave it unset (the timeout) otherwise",
+                        u.name,
+                        fmt(u.uncertain_hold()),
+                        fmt(u.timeout.get())
+                    ),
+                });
+            }
+        }
         for (i, r) in self.routes.iter().enumerate() {
             let scheme = r.signature.as_ref().map(|s| s.scheme);
             if r.kind == RouteKind::Callback && scheme == Some(SignatureScheme::HmacSha256) {
@@ -727,6 +743,35 @@ mod tests {
         assert_eq!(c.server.listen, DEFAULT_LISTEN);
         assert_eq!(c.store.retention.get(), Duration::from_secs(86_400));
         assert_eq!(c.routes[0].idempotency(), Idempotency::None);
+    }
+
+    #[test]
+    fn an_uncertain_key_is_held_for_the_upstreams_timeout_unless_told_and_warned() {
+        let c = Config::parse(
+            &MINIMAL.replace("url = ", "timeout = \"7s\"\n        url = "),
+            "t",
+        )
+        .unwrap();
+        c.validate("t").unwrap();
+        assert_eq!(c.upstreams[0].uncertain_hold(), Duration::from_secs(7));
+        assert!(
+            c.warnings()
+                .iter()
+                .all(|w| !w.key.contains("uncertain_hold"))
+        );
+        let shorter = MINIMAL.replace(
+            "url = ",
+            "timeout = \"7s\"\n        uncertain_hold = \"2s\"\n        url = ",
+        );
+        let c = Config::parse(&shorter, "t").unwrap();
+        c.validate("t").unwrap();
+        assert_eq!(c.upstreams[0].uncertain_hold(), Duration::from_secs(2));
+        let warned = c.warnings();
+        let w = warned
+            .iter()
+            .find(|w| w.key == "upstreams[0].uncertain_hold")
+            .expect("warned");
+        assert!(w.reason.contains("7s"), "{}", w.reason);
     }
 
     #[test]

@@ -301,12 +301,16 @@ async fn action(
 /// a gateway asks before it forwards an uncertain request again
 /// (`reconcile_path = "/actions/by-key/{key}"`).
 ///
-/// `?status=503` answers that status instead (a broken status endpoint).
+/// `?status=503` answers that status instead (a broken status endpoint);
+/// `?delay_ms=N` answers N ms late (a hung one).
 async fn action_status(
     State(state): AppState,
     Path(key): Path<String>,
     Query(forced): Query<ForcedStatus>,
 ) -> Response {
+    if let Some(ms) = forced.delay_ms {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
     if let Some(status) = forced.status.and_then(|s| StatusCode::from_u16(s).ok()) {
         return (status, Json(json!({"error": "demo fault: status forced"}))).into_response();
     }
@@ -323,6 +327,7 @@ async fn action_status(
 #[derive(Deserialize)]
 struct ForcedStatus {
     status: Option<u16>,
+    delay_ms: Option<u64>,
 }
 
 /// An MQ consumer endpoint that is *not* idempotent on its own: every

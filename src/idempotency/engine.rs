@@ -393,6 +393,12 @@ impl Engine {
             claim = self.store.claim(key, legacy, request_id).await;
             fingerprint = legacy;
         }
+        if !P::TOMBSTONED && matches!(claim, Ok(Claim::Expired { .. })) {
+            claim = self
+                .store
+                .claim_past_tombstone(key, fingerprint, request_id)
+                .await;
+        }
         let claimed = match claim {
             Ok(Claim::Won {
                 epoch,

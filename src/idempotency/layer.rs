@@ -45,6 +45,14 @@ pub trait Policy: Clone + Send + Sync + 'static {
     /// change the record nor be refused).
     const CLIENT_SCOPED: bool = true;
 
+    /// Whether a record past its retention answers from its tombstone
+    /// (`410`, `422`: a client's retry must learn its key is gone), or is
+    /// taken over by the same key (a sender's redelivery: a payment
+    /// provider retries for days and understands only a 2xx, so the
+    /// delivery is forwarded again with the same stable key and the
+    /// upstream's own state check answers it).
+    const TOMBSTONED: bool = true;
+
     /// What [`Head::FromBody`] carries to [`Policy::key_in_body`]:
     /// [`Infallible`] for a policy whose key is never in the body.
     type BodyKey: Send + 'static;

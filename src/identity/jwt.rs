@@ -182,3 +182,192 @@ impl JwtIdentity {
         hashed(JWT_CONTEXT, &[self.issuer.as_bytes(), principal.as_bytes()])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use jsonwebtoken::{EncodingKey, Header, encode};
+    use serde_json::json;
+
+    use super::*;
+    use crate::identity::ANONYMOUS_SCOPE;
+
+    /// A 2048-bit RSA key made for these tests only (openssl genpkey, as
+    /// PKCS#1 DER: the crate's PEM reader is a feature left off).
+    const RSA_DER: &[u8] = include_bytes!("testdata/rs256-test-key.der");
+    /// Its public half as a JWK modulus (base64url).
+    const RSA_N: &str = "5FU3CDVfM7s7W8MBzxb0iIowr708b33vaYqOvgk6EQgxk5zaCNnD3ruh6BVkcufhqLJ-tqU1MPGMk8saT6UWMYwOjuUHYs5ahDFtM-0rIKUD5_Z3DYR-x99rHk0Wk4mRzrGmpcZDMHVkydlMvevIzAbMdgz1xuVvBBqO2A8CByz3L8YkDGA3htuAaWadTJY7UdQrp6-lmGMLK0XDPTIqscs95LHPc71y1Mzzma8OteryBWRznjHKZ57mMev784LhRqNNqu7ZNjqTE4ksweDU2m1zuEV3PhIGJYmQEf2wvywrdPQmeAK6rporkBaUphH718FbTShm19yfE5WOVzj5Sw";
+
+    fn now() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    }
+
+    fn settings(keys: JwtKeys) -> JwtSettings {
+        JwtSettings {
+            header: http::header::AUTHORIZATION,
+            claim: "sub".into(),
+            keys,
+            issuer: Some("https://auth.example".into()),
+            audience: Some("orders".into()),
+            leeway: Duration::from_secs(30),
+        }
+    }
+
+    fn bearer(token: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            http::header::AUTHORIZATION,
+            format!("Bearer {token}").parse().unwrap(),
+        );
+        headers
+    }
+
+    fn claims(sub: &str, exp_from_now: i64) -> serde_json::Value {
+        json!({
+            "sub": sub,
+            "iss": "https://auth.example",
+            "aud": "orders",
+            "exp": now() as i64 + exp_from_now,
+        })
+    }
+
+    fn sign(
+        alg: Algorithm,
+        kid: Option<&str>,
+        key: &EncodingKey,
+        claims: &serde_json::Value,
+    ) -> String {
+        let mut header = Header::new(alg);
+        header.kid = kid.map(str::to_owned);
+        encode(&header, claims, key).unwrap()
+    }
+
+    /// An ES256 key pair: the signing key, and its JWK.
+    fn es256(kid: &str) -> (EncodingKey, serde_json::Value) {
+        use base64::Engine as _;
+        let pair = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let point = pair.public_key_raw(); // 0x04 || x || y
+        let b64 = |b: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b);
+        let jwk = json!({
+            "kty": "EC", "crv": "P-256", "kid": kid, "alg": "ES256", "use": "sig",
+            "x": b64(&point[1..33]), "y": b64(&point[33..65]),
+        });
+        let key = EncodingKey::from_ec_der(&pair.serialize_der());
+        (key, jwk)
+    }
+
+    fn rs256_jwk(kid: &str) -> serde_json::Value {
+        json!({"kty": "RSA", "kid": kid, "alg": "RS256", "use": "sig", "n": RSA_N, "e": "AQAB"})
+    }
+
+    fn jwks(keys: &[serde_json::Value]) -> JwtKeys {
+        JwtKeys::Jwks(json!({ "keys": keys }).to_string())
+    }
+
+    #[test]
+    fn rs256_and_es256_tokens_verify_by_kid_and_keep_the_scope_across_a_refresh() {
+        let (ec_key, ec_jwk) = es256("ec-1");
+        let rsa_key = EncodingKey::from_rsa_der(RSA_DER);
+        let identity = JwtIdentity::new(&settings(jwks(&[rs256_jwk("rsa-1"), ec_jwk]))).unwrap();
+        let by_rsa = sign(
+            Algorithm::RS256,
+            Some("rsa-1"),
+            &rsa_key,
+            &claims("alice", 300),
+        );
+        let by_ec = sign(
+            Algorithm::ES256,
+            Some("ec-1"),
+            &ec_key,
+            &claims("alice", 900),
+        );
+        let a = identity.scope(&bearer(&by_rsa)).unwrap();
+        // Another token (another key, another expiry) for the same
+        // principal: the same client.
+        assert_eq!(identity.scope(&bearer(&by_ec)).unwrap(), a);
+        assert_ne!(a, ANONYMOUS_SCOPE);
+        let bob = sign(Algorithm::ES256, Some("ec-1"), &ec_key, &claims("bob", 300));
+        assert_ne!(identity.scope(&bearer(&bob)).unwrap(), a);
+    }
+
+    #[test]
+    fn a_token_signed_by_another_key_or_naming_an_unknown_kid_is_refused() {
+        let (_, published) = es256("ec-1");
+        let (forger, _) = es256("ec-1");
+        let identity = JwtIdentity::new(&settings(jwks(&[published, rs256_jwk("rsa-1")]))).unwrap();
+        let forged = sign(
+            Algorithm::ES256,
+            Some("ec-1"),
+            &forger,
+            &claims("alice", 300),
+        );
+        assert!(matches!(
+            identity.scope(&bearer(&forged)),
+            Err(IdentityError::InvalidToken(_))
+        ));
+        let unknown = sign(
+            Algorithm::ES256,
+            Some("ec-9"),
+            &forger,
+            &claims("alice", 300),
+        );
+        assert!(identity.scope(&bearer(&unknown)).is_err());
+        // With two keys a token must say which one.
+        let unnamed = sign(Algorithm::ES256, None, &forger, &claims("alice", 300));
+        assert!(identity.scope(&bearer(&unnamed)).is_err());
+    }
+
+    #[test]
+    fn an_hs256_token_is_refused_by_a_key_published_for_rs256() {
+        // Algorithm confusion: the RSA key's public bytes as an HMAC secret.
+        let identity = JwtIdentity::new(&settings(jwks(&[rs256_jwk("rsa-1")]))).unwrap();
+        let confused = sign(
+            Algorithm::HS256,
+            Some("rsa-1"),
+            &EncodingKey::from_secret(RSA_N.as_bytes()),
+            &claims("alice", 300),
+        );
+        assert!(identity.scope(&bearer(&confused)).is_err());
+    }
+
+    #[test]
+    fn issuer_audience_expiry_and_leeway_are_checked() {
+        let (key, jwk) = es256("ec-1");
+        let identity = JwtIdentity::new(&settings(jwks(&[jwk]))).unwrap();
+        let scope = |claims: &serde_json::Value| {
+            identity.scope(&bearer(&sign(Algorithm::ES256, None, &key, claims)))
+        };
+        assert!(
+            scope(&claims("alice", 300)).is_ok(),
+            "a set of one key needs no kid"
+        );
+        // Expired 10 s ago: within the 30 s leeway. 120 s ago: refused.
+        assert!(scope(&claims("alice", -10)).is_ok());
+        assert!(scope(&claims("alice", -120)).is_err());
+        let mut other_issuer = claims("alice", 300);
+        other_issuer["iss"] = json!("https://evil.example");
+        assert!(scope(&other_issuer).is_err());
+        let mut other_audience = claims("alice", 300);
+        other_audience["aud"] = json!("billing");
+        assert!(scope(&other_audience).is_err());
+        let mut no_expiry = claims("alice", 300);
+        no_expiry.as_object_mut().unwrap().remove("exp");
+        assert!(scope(&no_expiry).is_err());
+        // Not yet valid (nbf two minutes ahead, past the leeway).
+        let mut early = claims("alice", 300);
+        early["nbf"] = json!(now() + 120);
+        assert!(scope(&early).is_err());
+    }
+
+    #[test]
+    fn keys_other_than_rs256_or_p256_are_refused_at_start() {
+        let p384 = json!({"kty": "EC", "crv": "P-384", "kid": "x",
+            "x": "iA7lWQLzVrKGEFjfGMfMHfTEZ2KnLiKU7JuNT3E7ygsfE7ygsfE7ygsfE7ygsfE7",
+            "y": "iA7lWQLzVrKGEFjfGMfMHfTEZ2KnLiKU7JuNT3E7ygsfE7ygsfE7ygsfE7ygsfE7"});
+        assert!(JwtIdentity::new(&settings(jwks(&[p384]))).is_err());
+        assert!(JwtIdentity::new(&settings(jwks(&[]))).is_err());
+        assert!(JwtIdentity::new(&settings(JwtKeys::Hs256(b"short".to_vec()))).is_err());
+    }
+}

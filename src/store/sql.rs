@@ -282,6 +282,7 @@ impl SqlStore {
             request_id: request_id.to_owned(),
             lease,
             retention,
+            past_tombstone: false,
         };
         // A record deleted (purged, swept) between our statements makes the
         // read find nothing; the loop then simply claims again.
@@ -324,7 +325,7 @@ impl SqlStore {
                     sqlx::query(statement)
                         .bind(&key.scope).bind(&key.route).bind(&key.key).bind(&c.fingerprint)
                         .bind(millis(c.lease)).bind(&c.request_id).bind(millis(c.retention))
-                        .bind(millis(self.tombstone))
+                        .bind(millis(if c.past_tombstone { Duration::ZERO } else { self.tombstone }))
                         .fetch_optional(pool).await
                         .and_then(|row| {
                             row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))

@@ -319,6 +319,7 @@ impl Store {
             request_id: request_id.to_owned(),
             lease: self.settings.lease,
             retention: self.settings.retention,
+            past_tombstone: false,
         };
         if let Some((epoch, expires_at_ms)) = self.claims.submit(job.clone()).await? {
             let won = Claim::Won {
@@ -337,6 +338,44 @@ impl Store {
                 .await
                 .map(|claim| (claim, Duration::ZERO)),
         }
+    }
+
+    /// Claims a key whose record answered [`Claim::Expired`], for a
+    /// sender's redelivery (a callback): a provider retries for days, and a
+    /// `410` is not an acknowledgement it understands, so the record is
+    /// taken over and the delivery forwarded again with the same stable
+    /// key, for the upstream's own state check. SQL only: a fast layer never
+    /// holds a record past its retention.
+    pub async fn claim_past_tombstone(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        request_id: &str,
+    ) -> Result<Claim, StoreError> {
+        let job = NewClaim {
+            key: key.clone(),
+            fingerprint: fingerprint.to_owned(),
+            request_id: request_id.to_owned(),
+            lease: self.settings.lease,
+            retention: self.settings.retention,
+            past_tombstone: true,
+        };
+        let bound = self.sql.timeout();
+        let answer = tokio::time::timeout(bound, async {
+            match self.sql.claim_existing(&job).await? {
+                Some((claim, _)) => Ok(claim),
+                None => {
+                    self.sql
+                        .claim(key, fingerprint, request_id, job.lease, job.retention)
+                        .await
+                }
+            }
+        })
+        .await;
+        answer.unwrap_or(Err(StoreError::Timeout {
+            op: "claim",
+            after: bound,
+        }))
     }
 
     /// Records the outcome; false when the claim was taken over meanwhile

@@ -214,6 +214,9 @@ pub struct NewClaim {
     pub request_id: String,
     pub lease: Duration,
     pub retention: Duration,
+    /// Take a record past its retention over even within its tombstone
+    /// (a sender's redelivery, not a client's retry).
+    pub past_tombstone: bool,
 }
 
 #[derive(Default)]
