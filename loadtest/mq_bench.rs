@@ -255,9 +255,9 @@ async fn main() {
         prefetch = {prefetch}
         "#
     );
-    let config = idemgate::config::Config::parse(&text, "bench").unwrap();
+    let config = idemgate_gateway::config::Config::parse(&text, "bench").unwrap();
     config.validate("bench").unwrap();
-    let gateway = idemgate::gateway::start(config).await.unwrap();
+    let gateway = idemgate_gateway::gateway::start(config).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     println!(

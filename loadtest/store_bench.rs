@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use idemgate::metrics::Metrics;
-use idemgate::store::sql::{SqlSettings, SqlStore};
-use idemgate::store::{Claim, RecordKey, Store, StoreSettings, StoredResponse};
+use idemgate_core::metrics::Metrics;
+use idemgate_store::sql::{SqlSettings, SqlStore};
+use idemgate_store::{Claim, RecordKey, Store, StoreSettings, StoredResponse};
 
 #[tokio::main]
 async fn main() {
@@ -32,6 +32,7 @@ async fn main() {
         pool_size: max.min(32) as u32,
         timeout: Duration::from_secs(5),
         tombstone: Duration::ZERO,
+        schema: None,
     })
     .await
     .expect("connect");

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# The test command (README: "Run the tests"). Starts PostgreSQL and Redis
-# when they are installed but down, then runs every test. Without them the
-# embedded-store tests still run and each service test prints
-# "SKIPPED (no Postgres|Redis): <test name>"; with CI=true a missing service
-# fails the run instead.
+# The test command (README: "Run the tests"). Starts PostgreSQL, Redis,
+# RabbitMQ and NATS when they are installed but down, then runs every test
+# of the workspace. Without them the embedded-store tests still run and each
+# service test prints "SKIPPED (no Postgres|Redis|RabbitMQ|NATS): <test
+# name>"; with CI=true a missing service fails the run instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
-# tests/library.rs starts the example app as a process.
-cargo build --example orders
-cargo test --all-targets "$@"
+# tests/suite/library.rs starts the example app as a process.
+cargo build -p idemgate --example orders
+# Every crate's unit tests, the end-to-end suite (tests/suite), the
+# examples and load generators built as tests.
+cargo test --workspace --all-targets "$@"
 # The key, token and callback suites once more with every request over
 # HTTP/2 (h2c, one connection per client): the semantics must not depend
-# on the protocol (tests/support/mod.rs, HTTP2_ENV).
-IDEMGATE_TEST_HTTP2=1 cargo test --test key_routes --test token_routes --test callback_routes "$@"
-# The library's quick start (src/library.rs) is a doc test.
-exec cargo test --doc "$@"
+# on the protocol (tests/suite/support/mod.rs, HTTP2_ENV).
+IDEMGATE_TEST_HTTP2=1 cargo test --test suite "$@" -- key_routes:: token_routes:: callback_routes::
+# The READMEs' quick starts (the repository's and the library crate's)
+# and every crate's documentation examples.
+exec cargo test --workspace --doc "$@"

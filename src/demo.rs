@@ -4,14 +4,12 @@
 
 use std::collections::BTreeSet;
 
-use crate::config::{Config, DEFAULT_DATABASE_URL};
-use crate::demo_upstream;
-use crate::gateway::{self, StartError};
-use crate::server;
+use idemgate_gateway::config::{Config, DEFAULT_DATABASE_URL};
+use idemgate_gateway::gateway::{self, StartError};
 
 /// Why the demo could not start.
 #[derive(Debug, thiserror::Error)]
-pub enum DemoError {
+pub(crate) enum DemoError {
     #[error("demo upstream on {addr}: {source}")]
     Upstream {
         addr: String,
@@ -22,7 +20,7 @@ pub enum DemoError {
 }
 
 /// Runs the demo until SIGTERM or SIGINT.
-pub async fn run(mut config: Config) -> Result<(), DemoError> {
+pub(crate) async fn run(mut config: Config) -> Result<(), DemoError> {
     // The demo always runs on the embedded default store, whatever the
     // environment says, so it works on a machine without services.
     config.store.database_url = DEFAULT_DATABASE_URL.into();
@@ -36,7 +34,7 @@ pub async fn run(mut config: Config) -> Result<(), DemoError> {
         .collect();
     let mut upstreams = Vec::new();
     for addr in &authorities {
-        let upstream = demo_upstream::start(addr)
+        let upstream = idemgate_demo_upstream::start(addr)
             .await
             .map_err(|source| DemoError::Upstream {
                 addr: addr.clone(),
@@ -51,7 +49,7 @@ pub async fn run(mut config: Config) -> Result<(), DemoError> {
         gateway.admin_addr,
         &authorities,
     );
-    server::termination().await;
+    idemgate_server::termination().await;
     gateway.shutdown().await;
     for upstream in upstreams {
         upstream.shutdown().await;

@@ -1,6 +1,6 @@
 //! The `demo-upstream` binary; the command line is
-//! [`idemgate::cli::demo_upstream`].
+//! [`idemgate_cli::cli::demo_upstream`].
 
 fn main() -> std::process::ExitCode {
-    idemgate::cli::demo_upstream()
+    idemgate_cli::cli::demo_upstream()
 }

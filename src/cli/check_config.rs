@@ -1,7 +1,7 @@
 //! `idemgate check-config`: the listeners, the route table, the consumers
 //! and the warnings of a configuration that loaded.
 
-use crate::config::Config;
+use idemgate_gateway::config::Config;
 
 /// Everything `check-config` prints, in order.
 pub(super) fn print(config: &Config) {
@@ -109,10 +109,10 @@ fn print_route_table(config: &Config) {
             _ => String::new(),
         };
         let policy = match r.kind {
-            crate::config::RouteKind::Callback => {
+            idemgate_gateway::config::RouteKind::Callback => {
                 format!("business_key {}", r.business_key.join("+"))
             }
-            crate::config::RouteKind::Sync => r.idempotency().to_string(),
+            idemgate_gateway::config::RouteKind::Sync => r.idempotency().to_string(),
         };
         let policy = match &r.reconcile_path {
             Some(path) => format!("{policy}; reconcile GET {path}"),
@@ -137,8 +137,10 @@ fn print_route_table(config: &Config) {
     }
     for c in &config.consumers {
         let (broker, from) = match c.broker() {
-            Some(crate::config::Broker::Amqp) => ("rabbitmq", c.queue.clone().unwrap_or_default()),
-            Some(crate::config::Broker::Nats) => (
+            Some(idemgate_gateway::config::Broker::Amqp) => {
+                ("rabbitmq", c.queue.clone().unwrap_or_default())
+            }
+            Some(idemgate_gateway::config::Broker::Nats) => (
                 "jetstream",
                 format!(
                     "{} / {}",
@@ -152,7 +154,7 @@ fn print_route_table(config: &Config) {
             "{:<20} {:<9} {:<34} {:<24} {:<12} {:<16} {} (prefetch {}, max_deliveries {}, retry_delay {})",
             c.name,
             broker,
-            crate::gateway::redact(&c.source),
+            idemgate_gateway::gateway::redact(&c.source),
             from,
             c.upstream,
             c.path,

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::config::{Config, DEFAULT_CONFIG_PATH};
+use idemgate_gateway::config::{Config, DEFAULT_CONFIG_PATH};
 
 #[derive(Parser)]
 #[command(name = "idemgate", version, about = "HTTP idempotency gateway")]
@@ -81,7 +81,9 @@ pub fn idemgate() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Serve => run_to_exit("idemgate", async {
-            crate::gateway::run(config).await.map_err(|e| e.to_string())
+            idemgate_gateway::gateway::run(config)
+                .await
+                .map_err(|e| e.to_string())
         }),
         Command::Demo => run_to_exit("idemgate", async {
             crate::demo::run(config).await.map_err(|e| e.to_string())
@@ -90,13 +92,13 @@ pub fn idemgate() -> ExitCode {
             open_store(&config).await?;
             println!(
                 "migrations applied to {}",
-                crate::gateway::redact(&config.store.database_url)
+                idemgate_gateway::gateway::redact(&config.store.database_url)
             );
             Ok(())
         }),
         Command::Sweep => run_to_exit("idemgate", async move {
             let store = open_store(&config).await?;
-            let n = crate::store::sweep::sweep_once(store.sql(), config.store.archive)
+            let n = idemgate_store::sweep::sweep_once(store.sql(), config.store.archive)
                 .await
                 .map_err(|e| e.to_string())?;
             let verb = if config.store.archive {
@@ -113,9 +115,9 @@ pub fn idemgate() -> ExitCode {
     }
 }
 
-async fn open_store(config: &Config) -> Result<crate::store::Store, String> {
+async fn open_store(config: &Config) -> Result<idemgate_store::Store, String> {
     let metrics = std::sync::Arc::new(config.metrics());
-    crate::store::open(&config.store.options(), metrics)
+    idemgate_store::open(&config.store.options(), metrics)
         .await
         .map(|(store, _)| store)
         .map_err(|e| e.to_string())
@@ -161,7 +163,8 @@ async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
             if purged.removed > 0 {
                 // Until every gateway's in-process fast layer has read the
                 // purge log, one of them could still replay the key.
-                tokio::time::sleep(crate::store::purges::settle(config.store.timeout.get())).await;
+                tokio::time::sleep(idemgate_store::purges::settle(config.store.timeout.get()))
+                    .await;
             }
             println!("purged {} record(s)", purged.removed);
             if purged.held > 0 {
@@ -225,11 +228,11 @@ pub fn demo_upstream() -> ExitCode {
         .or_else(|| std::env::var("DEMO_UPSTREAM_LISTEN").ok())
         .unwrap_or_else(|| "127.0.0.1:9001".into());
     run_to_exit("demo-upstream", async move {
-        let upstream = crate::demo_upstream::start(&addr)
+        let upstream = idemgate_demo_upstream::start(&addr)
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         println!("demo-upstream listening on http://{}", upstream.addr);
-        crate::server::termination().await;
+        idemgate_server::termination().await;
         upstream.shutdown().await;
         Ok(())
     })

@@ -1,0 +1,370 @@
+//! `[[consumers]]` (SPEC §8): a queue or stream Idemgate consumes and
+//! delivers, once per business key, to an upstream over HTTP.
+
+use serde::Deserialize;
+
+use super::HumanDuration;
+use idemgate_mq::{DEFAULT_MESSAGE_KEY, MessageKeySource};
+
+const DEFAULT_PREFETCH: u16 = 32;
+const DEFAULT_MAX_DELIVERIES: u32 = 10;
+const DEFAULT_RETRY_DELAY: &str = "1s";
+
+/// `[[consumers]]`: one queue (RabbitMQ) or durable consumer of a stream
+/// (NATS JetStream).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConsumerConfig {
+    /// Names the consumer in logs and metrics, and scopes its records.
+    pub name: String,
+    /// `amqp://` / `amqps://` (RabbitMQ) or `nats://` / `tls://` (JetStream).
+    pub source: String,
+    /// AMQP: the queue.
+    pub queue: Option<String>,
+    /// NATS: the stream.
+    pub stream: Option<String>,
+    /// NATS: the durable consumer's name (default: the consumer's name).
+    pub durable: Option<String>,
+    /// Where dead letters go: AMQP a queue (default `<queue>.dlq`), NATS a
+    /// subject (default `<stream>.dlq`).
+    pub dead_letter: Option<String>,
+    pub upstream: String,
+    /// Each message is POSTed here.
+    pub path: String,
+    #[serde(default = "default_business_key")]
+    pub business_key: Vec<String>,
+    /// Fields a redelivery with the same key must repeat (same sources as
+    /// `business_key`); one that differs is dead-lettered and logged.
+    #[serde(default)]
+    pub must_match: Vec<String>,
+    /// Messages in flight at once (AMQP prefetch, NATS max ack pending).
+    #[serde(default = "default_prefetch")]
+    pub prefetch: u16,
+    /// Failed upstream attempts before a message is dead-lettered.
+    #[serde(default = "default_max_deliveries")]
+    pub max_deliveries: u32,
+    /// How long a failed message waits before it is delivered again.
+    #[serde(default = "default_retry_delay")]
+    pub retry_delay: HumanDuration,
+}
+
+/// Which broker a consumer reads from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Broker {
+    /// RabbitMQ, AMQP 0-9-1.
+    Amqp,
+    /// NATS JetStream.
+    Nats,
+}
+
+impl ConsumerConfig {
+    /// The broker `source` names, if its scheme is known.
+    pub fn broker(&self) -> Option<Broker> {
+        let scheme = self.source.split_once("://")?.0.to_ascii_lowercase();
+        match scheme.as_str() {
+            "amqp" | "amqps" => Some(Broker::Amqp),
+            "nats" | "tls" => Some(Broker::Nats),
+            _ => None,
+        }
+    }
+
+    /// The NATS durable consumer's name.
+    pub fn durable_name(&self) -> &str {
+        self.durable.as_deref().unwrap_or(&self.name)
+    }
+
+    /// The dead-letter queue (AMQP) or subject (NATS).
+    pub fn dead_letter_name(&self) -> String {
+        if let Some(name) = &self.dead_letter {
+            return name.clone();
+        }
+        match self.broker() {
+            Some(Broker::Nats) => {
+                idemgate_mq::default_dead_letter_subject(self.stream.as_deref().unwrap_or_default())
+            }
+            _ => idemgate_mq::default_dead_letter_queue(self.queue.as_deref().unwrap_or_default()),
+        }
+    }
+
+    /// What the consumer reads, for spotting two entries on one queue.
+    pub(super) fn reads(&self) -> (String, String) {
+        let from = match self.broker() {
+            Some(Broker::Nats) => format!(
+                "{}/{}",
+                self.stream.as_deref().unwrap_or_default(),
+                self.durable_name()
+            ),
+            _ => self.queue.clone().unwrap_or_default(),
+        };
+        (self.source.clone(), from)
+    }
+
+    /// Checks one entry; `key` names its fields.
+    pub(super) fn validate(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        upstreams: &std::collections::BTreeSet<&str>,
+        add: &mut dyn FnMut(String, String),
+    ) {
+        match self.broker() {
+            None => add(
+                key("source"),
+                format!(
+                    "{:?} must be amqp://… or amqps://… (RabbitMQ), nats://… or tls://… (NATS JetStream)",
+                    idemgate_core::error::redact_url(&self.source)
+                ),
+            ),
+            Some(Broker::Amqp) => {
+                if self.queue.as_deref().is_none_or(str::is_empty) {
+                    add(key("queue"), "an AMQP consumer names its queue".into());
+                }
+                for (field, set) in [("stream", &self.stream), ("durable", &self.durable)] {
+                    if set.is_some() {
+                        add(
+                            key(field),
+                            "only NATS consumers take a stream and durable".into(),
+                        );
+                    }
+                }
+            }
+            Some(Broker::Nats) => {
+                if self.stream.as_deref().is_none_or(str::is_empty) {
+                    add(key("stream"), "a NATS consumer names its stream".into());
+                }
+                if self.queue.is_some() {
+                    add(
+                        key("queue"),
+                        "a NATS consumer reads a stream (stream = \"…\", durable = \"…\"), not a queue"
+                            .into(),
+                    );
+                }
+                // Stream and consumer names are subject tokens.
+                for (field, name) in [
+                    ("stream", self.stream.as_deref().unwrap_or_default()),
+                    ("durable", self.durable_name()),
+                ] {
+                    if name.contains(['.', '*', '>', ' ', '\t']) {
+                        add(
+                            key(field),
+                            format!("{name:?}: NATS names hold no '.', '*', '>' or whitespace"),
+                        );
+                    }
+                }
+            }
+        }
+        if !upstreams.contains(self.upstream.as_str()) {
+            add(
+                key("upstream"),
+                format!("unknown upstream {:?}", self.upstream),
+            );
+        }
+        if !self.path.starts_with('/') || self.path.parse::<http::uri::PathAndQuery>().is_err() {
+            add(
+                key("path"),
+                format!("{:?} must be a path starting with '/'", self.path),
+            );
+        }
+        if self.business_key.is_empty() {
+            add(
+                key("business_key"),
+                "needs at least one source (msg:message_id, msg:topic, msg:header:Name, json:/pointer)"
+                    .into(),
+            );
+        }
+        for source in &self.business_key {
+            if let Err(reason) = MessageKeySource::parse(source) {
+                add(key("business_key"), reason);
+            }
+        }
+        for source in &self.must_match {
+            if let Err(reason) = MessageKeySource::parse(source) {
+                add(key("must_match"), reason);
+            }
+        }
+        if let Some(dead) = &self.dead_letter {
+            let same = match self.broker() {
+                Some(Broker::Nats) => false,
+                _ => self.queue.as_ref() == Some(dead),
+            };
+            if dead.is_empty() || same {
+                add(
+                    key("dead_letter"),
+                    "must name a queue or subject other than the one consumed".into(),
+                );
+            }
+        }
+        if self.prefetch == 0 {
+            add(key("prefetch"), "must be above zero".into());
+        }
+        if self.max_deliveries == 0 {
+            add(key("max_deliveries"), "must be above zero".into());
+        }
+        if let Some(reason) = self.retry_delay.problem() {
+            add(key("retry_delay"), reason);
+        }
+    }
+}
+
+fn default_business_key() -> Vec<String> {
+    DEFAULT_MESSAGE_KEY
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect()
+}
+fn default_prefetch() -> u16 {
+    DEFAULT_PREFETCH
+}
+fn default_max_deliveries() -> u32 {
+    DEFAULT_MAX_DELIVERIES
+}
+fn default_retry_delay() -> HumanDuration {
+    DEFAULT_RETRY_DELAY.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn problems(consumers: &str) -> Vec<(String, String)> {
+        let text = format!(
+            r#"
+            [[upstreams]]
+            name = "coupons"
+            url = "http://127.0.0.1:1"
+            [[routes]]
+            name = "orders"
+            path = "/orders"
+            upstream = "coupons"
+            {consumers}
+            "#
+        );
+        match Config::parse(&text, "t").unwrap().validate("t") {
+            Ok(()) => Vec::new(),
+            Err(e) => e
+                .problems()
+                .iter()
+                .map(|p| (p.key.clone(), p.reason.clone()))
+                .collect(),
+        }
+    }
+
+    fn keys(consumers: &str) -> Vec<String> {
+        problems(consumers).into_iter().map(|(k, _)| k).collect()
+    }
+
+    #[test]
+    fn a_complete_consumer_is_valid_with_its_defaults() {
+        let text = r#"
+            [[consumers]]
+            name = "coupon-events"
+            source = "amqp://guest:guest@127.0.0.1:5672/%2f"
+            queue = "coupon.deduct"
+            upstream = "coupons"
+            path = "/mq/coupons"
+            [[consumers]]
+            name = "stream-events"
+            source = "nats://127.0.0.1:4222"
+            stream = "COUPONS"
+            upstream = "coupons"
+            path = "/mq/coupons"
+            business_key = ["msg:header:Event-Id", "json:/coupon"]
+        "#;
+        assert_eq!(problems(text), Vec::new());
+        let config = Config::parse(
+            &format!("[[upstreams]]\nname = \"coupons\"\nurl = \"http://h\"\n{text}"),
+            "t",
+        )
+        .unwrap();
+        let c = &config.consumers[0];
+        assert_eq!(c.business_key, ["msg:message_id", "msg:topic"]);
+        assert_eq!(
+            (c.prefetch, c.max_deliveries, c.retry_delay.get()),
+            (32, 10, std::time::Duration::from_secs(1))
+        );
+        assert_eq!(config.consumers[1].durable_name(), "stream-events");
+    }
+
+    #[test]
+    fn every_broken_field_is_named() {
+        let found = keys(
+            r#"
+            [[consumers]]
+            name = "orders"
+            source = "kafka://x"
+            upstream = "nowhere"
+            path = "mq"
+            business_key = ["json:trade_no", "msg:id"]
+            prefetch = 0
+            max_deliveries = 0
+            retry_delay = "soon"
+            "#,
+        );
+        for key in [
+            "consumers[0].name",
+            "consumers[0].source",
+            "consumers[0].upstream",
+            "consumers[0].path",
+            "consumers[0].business_key",
+            "consumers[0].prefetch",
+            "consumers[0].max_deliveries",
+            "consumers[0].retry_delay",
+        ] {
+            assert!(found.contains(&key.to_owned()), "{key} not in {found:?}");
+        }
+    }
+
+    #[test]
+    fn each_broker_needs_its_own_fields() {
+        let found = keys(
+            r#"
+            [[consumers]]
+            name = "a"
+            source = "amqp://h"
+            stream = "S"
+            upstream = "coupons"
+            path = "/a"
+            [[consumers]]
+            name = "b"
+            source = "nats://h"
+            queue = "q"
+            durable = "d.x"
+            upstream = "coupons"
+            path = "/b"
+            [[consumers]]
+            name = "b"
+            source = "nats://h"
+            stream = "S"
+            upstream = "coupons"
+            path = "/b"
+            "#,
+        );
+        for key in [
+            "consumers[0].queue",
+            "consumers[0].stream",
+            "consumers[1].stream",
+            "consumers[1].queue",
+            "consumers[1].durable",
+            "consumers[2].name",
+        ] {
+            assert!(found.contains(&key.to_owned()), "{key} not in {found:?}");
+        }
+    }
+
+    #[test]
+    fn a_password_in_a_bad_source_is_not_echoed() {
+        let found = problems(
+            r#"
+            [[consumers]]
+            name = "a"
+            source = "mqtt://user:hunter2@h"
+            queue = "q"
+            upstream = "coupons"
+            path = "/a"
+            "#,
+        );
+        assert!(
+            found.iter().all(|(_, r)| !r.contains("hunter2")),
+            "{found:?}"
+        );
+    }
+}

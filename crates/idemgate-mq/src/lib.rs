@@ -1,0 +1,568 @@
+//! The MQ link (SPEC §8): consume from RabbitMQ or NATS JetStream and
+//! deliver each message to an upstream over HTTP once.
+//!
+//! A broker delivers at least once: a failover, or a consumer killed before
+//! its ack, delivers a message again that was already processed. Each
+//! delivery is turned into a request — `POST path` with the message body,
+//! the stable key as `Idempotency-Key`, the id, topic and delivery count as
+//! headers — and run through the same [`Engine`] as a callback route, keyed
+//! by the message's business key ([`key`]). What the engine answers decides
+//! the acknowledgement ([`Verdict`]):
+//!
+//! - a recorded outcome (the holder's first write landed) or a replay of one:
+//!   acknowledged — the ack comes after the record is durable, so a crash in
+//!   between redelivers a message the store already answers;
+//! - an upstream failure (5xx, refusal, timeout, uncertain): delivered again
+//!   after `retry_delay`, dead-lettered after `max_deliveries` failures;
+//! - the store unreachable, or a copy in flight elsewhere: delivered again
+//!   after `retry_delay`, and never dead-lettered for it (the message waits);
+//! - a message without a usable key, too large, or whose key was first used
+//!   for a different body: dead-lettered at once, never forwarded.
+//!
+//! `amqp` and `nats` own the broker connections: consuming, acks,
+//! dead-letter publishing, reconnecting with backoff, and the graceful stop.
+
+mod amqp;
+pub mod key;
+mod nats;
+
+pub use amqp::default_dead_letter_queue;
+pub use nats::default_dead_letter_subject;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, Method, Request, StatusCode, header};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use key::{
+    DEFAULT_MESSAGE_KEY, KeyedMessage, MessageKeySource, message_key, message_match_values,
+};
+
+use idemgate::idempotency::Verdict as EngineVerdict;
+use idemgate::idempotency::{Engine, Head, Policy};
+use idemgate_core::error::{Problem, Reason};
+use idemgate_core::metrics::{ConsumerCounters, MessageOutcome};
+use idemgate_proxy::Proxy;
+use idemgate_store::{RecordKey, key_ref};
+
+/// `X-Msg-Id`: the message's id, as the upstream receives it.
+pub const X_MSG_ID: HeaderName = HeaderName::from_static("x-msg-id");
+/// `X-Topic`: the routing key or subject.
+pub const X_TOPIC: HeaderName = HeaderName::from_static("x-topic");
+/// `X-Delivery-Count`: how many times the broker has delivered it (1 the
+/// first time).
+pub const X_DELIVERY_COUNT: HeaderName = HeaderName::from_static("x-delivery-count");
+
+/// The scope of every consumer record: the consumer is the sender.
+pub const CONSUMER_SCOPE: &str = "consumer";
+
+/// First pause before reconnecting to a broker; it doubles.
+pub const RECONNECT_START: Duration = Duration::from_millis(100);
+/// Longest pause between two connection attempts.
+pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
+
+/// Where a consumer reads from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// A RabbitMQ queue, and the queue its dead letters go to.
+    Amqp {
+        url: String,
+        queue: String,
+        dead_letter: String,
+    },
+    /// A durable pull consumer of a JetStream stream, and the subject its
+    /// dead letters go to.
+    Nats {
+        url: String,
+        stream: String,
+        durable: String,
+        dead_letter: String,
+    },
+}
+
+/// One consumer's settings.
+#[derive(Debug, Clone)]
+pub struct ConsumerSettings {
+    pub name: Arc<str>,
+    pub source: Source,
+    pub path: http::uri::PathAndQuery,
+    pub sources: Arc<[MessageKeySource]>,
+    /// Fields a redelivery with the same key must repeat (else it is
+    /// dead-lettered, and logged as an error).
+    pub must_match: Arc<[MessageKeySource]>,
+    pub prefetch: u16,
+    pub max_deliveries: u32,
+    pub retry_delay: Duration,
+    /// The upstream's timeout (NATS redelivers an unacked message after
+    /// twice this, or 30 s, whichever is longer).
+    pub upstream_timeout: Duration,
+    /// How long a stop waits for messages in flight.
+    pub shutdown_grace: Duration,
+}
+
+/// One delivery, whatever the broker.
+#[derive(Debug, Clone)]
+pub struct Message {
+    pub id: Option<String>,
+    pub topic: String,
+    /// Header values as text, or why not.
+    pub headers: Vec<(String, Result<String, String>)>,
+    pub content_type: Option<String>,
+    pub body: Bytes,
+    /// The broker's delivery count, 1-based (0: the broker does not count).
+    pub delivery_count: u64,
+    /// Its business key, read once (every try and the settling use it).
+    pub key: std::sync::OnceLock<Result<String, idemgate::callback::KeyError>>,
+}
+
+impl KeyedMessage for Message {
+    fn message_id(&self) -> Option<&str> {
+        self.id.as_deref()
+    }
+    fn topic(&self) -> &str {
+        &self.topic
+    }
+    fn header(&self, name: &str) -> Option<Result<String, String>> {
+        let mut found = self
+            .headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name));
+        let (_, value) = found.next()?;
+        if found.next().is_some() {
+            // `Event-Id` and `event-id` both set: which one is the key
+            // must not depend on the order a map yields them.
+            return Some(Err("sent more than once (names differ only in case)".into()));
+        }
+        Some(value.clone())
+    }
+    fn body(&self) -> &Bytes {
+        &self.body
+    }
+}
+
+/// What to do with a delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Acknowledge: the outcome is durable.
+    Ack(MessageOutcome),
+    /// An upstream attempt failed (it counts towards `max_deliveries`):
+    /// leave it to the broker to deliver again after the delay.
+    Retry(Duration),
+    /// Nothing was attempted upstream — the store is unreachable, a copy
+    /// is in flight, the outcome is not recorded yet: try again in this
+    /// process after the delay (see [`Deliverer::decide`]).
+    Wait(Duration),
+    /// Move it to the dead-letter queue (then acknowledge it), for this
+    /// reason.
+    DeadLetter(String),
+}
+
+/// Delivers messages of one consumer through the engine.
+pub struct Deliverer {
+    settings: ConsumerSettings,
+    engine: Engine,
+    proxy: Proxy,
+    counters: Arc<ConsumerCounters>,
+    /// Failed upstream attempts per key, in this process. Store outages
+    /// and copies in flight elsewhere do not count: only attempts that
+    /// reached for the upstream bring a message nearer the dead letters.
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+/// How long a delivery is tried again in this process (store outage,
+/// copy in flight elsewhere) before it goes back to the broker.
+pub const MAX_IN_PROCESS_WAIT: Duration = Duration::from_secs(300);
+
+/// Most keys with failures remembered at once; past it the counts start
+/// over (a poison message then gets more attempts, never fewer).
+const MAX_TRACKED_FAILURES: usize = 100_000;
+
+impl Deliverer {
+    /// A deliverer over an engine whose route is the consumer's name and a
+    /// proxy to its upstream.
+    pub fn new(
+        settings: ConsumerSettings,
+        engine: Engine,
+        proxy: Proxy,
+        counters: Arc<ConsumerCounters>,
+    ) -> Self {
+        Deliverer {
+            settings,
+            engine,
+            proxy,
+            counters,
+            failures: Mutex::default(),
+        }
+    }
+
+    /// The consumer's settings.
+    pub fn settings(&self) -> &ConsumerSettings {
+        &self.settings
+    }
+
+    /// The consumer's counters.
+    pub fn counters(&self) -> &ConsumerCounters {
+        &self.counters
+    }
+
+    /// Delivers one message until there is a verdict for the broker:
+    /// [`Verdict::Wait`] is tried again here, after its delay, for up to
+    /// [`MAX_IN_PROCESS_WAIT`] — a broker never sees a store outage as a
+    /// failed delivery (quorum queues drop a message after their
+    /// `delivery-limit` of requeues). `keep` runs between tries (NATS:
+    /// extends the ack deadline). A stop hands the message back at once.
+    pub async fn decide<F, K>(
+        &self,
+        message: &Message,
+        stop: &CancellationToken,
+        mut keep: K,
+    ) -> Verdict
+    where
+        K: FnMut() -> F,
+        F: std::future::Future<Output = ()>,
+    {
+        let mut waited = Duration::ZERO;
+        loop {
+            let delay = match self.deliver(message).await {
+                Verdict::Wait(delay) => delay,
+                verdict => return verdict,
+            };
+            if stop.is_cancelled() || waited >= MAX_IN_PROCESS_WAIT {
+                return Verdict::Retry(delay);
+            }
+            self.counters.record(MessageOutcome::Retried);
+            let _waiting = self.counters.wait();
+            tokio::select! {
+                _ = stop.cancelled() => return Verdict::Retry(Duration::ZERO),
+                _ = tokio::time::sleep(delay) => {}
+            }
+            waited += delay;
+            keep().await;
+        }
+    }
+
+    /// One try through the engine.
+    async fn deliver(&self, message: &Message) -> Verdict {
+        let name = &self.settings.name;
+        let key = match self.key_of(message) {
+            Ok(key) => key.clone(),
+            Err(e) => {
+                return Verdict::DeadLetter(format!("no usable business key: {e}"));
+            }
+        };
+        // Out of attempts already (its dead-letter copy failed before):
+        // straight to the dead letters, not upstream again.
+        let failures = self.failures_of(&key);
+        if failures >= self.settings.max_deliveries {
+            return Verdict::DeadLetter(format!("the upstream failed {failures} time(s)"));
+        }
+        let request = self.request(message);
+        // The same message whenever its key is: a broker's redelivery or a
+        // producer's re-publish with a new timestamp is not a new message.
+        let values = message_match_values(&self.settings.must_match, message);
+        let names: Vec<String> = self
+            .settings
+            .must_match
+            .iter()
+            .map(|m| m.describe())
+            .collect();
+        let fingerprint = idemgate::idempotency::body::key_fingerprint(
+            &key,
+            names
+                .iter()
+                .map(String::as_str)
+                .zip(values.iter().map(Option::as_deref)),
+        );
+        let policy = MessagePolicy {
+            key: key.clone(),
+            fingerprint,
+        };
+        let answer = self
+            .engine
+            .handle(policy, self.proxy.clone(), request)
+            .await;
+        let response = answer.response;
+        let verdict = self.judge(&key, answer.verdict, response.status());
+        match &verdict {
+            Verdict::Ack(_) | Verdict::Wait(_) => {}
+            Verdict::DeadLetter(reason) => {
+                tracing::error!(consumer = %name, key = %key_ref(&key), topic = %message.topic.escape_debug(), reason = %reason, layer = "consumer", "dead-lettering the message");
+            }
+            Verdict::Retry(_) => {
+                tracing::warn!(consumer = %name, key = %key_ref(&key), status = response.status().as_u16(), layer = "consumer", "delivery failed; the message is delivered again");
+            }
+        }
+        verdict
+    }
+
+    /// Counts a verdict once the broker carried it out, or an error. A
+    /// message's failure count is forgotten only once it is acknowledged
+    /// or its dead-letter copy is stored: a dead letter that failed keeps
+    /// its count, so the next delivery goes to the dead letters again, not
+    /// upstream.
+    pub fn settled(&self, message: &Message, verdict: &Verdict, broker: Result<(), String>) {
+        let outcome = match (verdict, broker) {
+            (_, Err(e)) => {
+                tracing::warn!(consumer = %self.settings.name, error = %e, layer = "consumer", "the broker did not take the acknowledgement or dead letter; the message is delivered again");
+                MessageOutcome::Error
+            }
+            (Verdict::Ack(outcome), Ok(())) => *outcome,
+            (Verdict::Retry(_) | Verdict::Wait(_), Ok(())) => MessageOutcome::Retried,
+            (Verdict::DeadLetter(_), Ok(())) => MessageOutcome::DeadLettered,
+        };
+        if matches!(
+            outcome,
+            MessageOutcome::Forwarded | MessageOutcome::Duplicate | MessageOutcome::DeadLettered
+        ) && let Ok(key) = self.key_of(message)
+        {
+            self.forget(key);
+        }
+        self.counters.record(outcome);
+    }
+
+    fn request(&self, message: &Message) -> Request<Body> {
+        let mut request = Request::new(Body::from(message.body.clone()));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = http::Uri::from(self.settings.path.clone());
+        let headers = request.headers_mut();
+        let content_type = message
+            .content_type
+            .as_deref()
+            .and_then(|c| HeaderValue::from_str(c).ok())
+            .unwrap_or(HeaderValue::from_static("application/octet-stream"));
+        headers.insert(header::CONTENT_TYPE, content_type);
+        if let Some(id) = message
+            .id
+            .as_deref()
+            .and_then(|id| HeaderValue::from_bytes(id.as_bytes()).ok())
+        {
+            headers.insert(X_MSG_ID, id);
+        }
+        // UTF-8 ids and topics go as their bytes (obs-text), not dropped.
+        if let Ok(topic) = HeaderValue::from_bytes(message.topic.as_bytes()) {
+            headers.insert(X_TOPIC, topic);
+        }
+        headers.insert(
+            X_DELIVERY_COUNT,
+            HeaderValue::from(message.delivery_count.max(1)),
+        );
+        if let Ok(id) = HeaderValue::from_str(&uuid::Uuid::now_v7().to_string()) {
+            headers.insert(idemgate_core::request_id::X_REQUEST_ID, id);
+        }
+        request
+    }
+
+    /// What the broker is told, from what the engine did.
+    fn judge(&self, key: &str, verdict: EngineVerdict, status: StatusCode) -> Verdict {
+        let wait = Verdict::Wait(self.settings.retry_delay);
+        match verdict {
+            // Acknowledged only once the outcome is durable (or was, for a
+            // duplicate).
+            EngineVerdict::Recorded => return Verdict::Ack(MessageOutcome::Forwarded),
+            EngineVerdict::Replayed => return Verdict::Ack(MessageOutcome::Duplicate),
+            // Redelivered after its record's retention, within its
+            // tombstone: it was handled long ago; never executed again.
+            EngineVerdict::Refused(Reason::IdempotencyKeyExpired) => {
+                return Verdict::Ack(MessageOutcome::Duplicate);
+            }
+            EngineVerdict::Refused(Reason::IdempotencyKeyReused | Reason::BusinessKeyReused) => {
+                return Verdict::DeadLetter(
+                    "its key was first used for a message whose must_match fields differ".into(),
+                );
+            }
+            EngineVerdict::Refused(Reason::BodyTooLarge) => {
+                return Verdict::DeadLetter("the message is over server.max_body_bytes".into());
+            }
+            // Nothing was forwarded: the message waits for the store, a
+            // budget, or the copy in flight (here or on another instance).
+            // A recordable outcome whose write has not landed yet waits
+            // too: the holder keeps writing, and the next try finds it.
+            EngineVerdict::StoreDown
+            | EngineVerdict::InFlight
+            | EngineVerdict::Recording
+            | EngineVerdict::Refused(Reason::ClaimsExhausted | Reason::BuffersExhausted) => {
+                return wait;
+            }
+            _ => {}
+        }
+        let failures = self.count_failure(key);
+        if failures >= self.settings.max_deliveries {
+            return Verdict::DeadLetter(format!(
+                "the upstream failed {failures} time(s), the last with {}",
+                status.as_u16()
+            ));
+        }
+        Verdict::Retry(self.settings.retry_delay)
+    }
+
+    fn count_failure(&self, key: &str) -> u32 {
+        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if failures.len() >= MAX_TRACKED_FAILURES && !failures.contains_key(key) {
+            failures.clear();
+        }
+        let count = failures.entry(key.to_owned()).or_default();
+        *count += 1;
+        *count
+    }
+
+    fn key_of<'m>(&self, message: &'m Message) -> &'m Result<String, idemgate::callback::KeyError> {
+        message
+            .key
+            .get_or_init(|| message_key(&self.settings.sources, message))
+    }
+
+    fn failures_of(&self, key: &str) -> u32 {
+        self.failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn forget(&self, key: &str) {
+        self.failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
+    }
+}
+
+/// The key is the message's, read before the engine runs; so is its
+/// fingerprint (the key and its `must_match` fields).
+#[derive(Clone)]
+struct MessagePolicy {
+    key: String,
+    fingerprint: String,
+}
+
+impl Policy for MessagePolicy {
+    const LAYER: &'static str = "consumer";
+
+    const CLIENT_SCOPED: bool = false;
+
+    fn fingerprint(&self, _: &Parts, _: &Bytes, _: &str) -> Option<String> {
+        Some(self.fingerprint.clone())
+    }
+
+    type BodyKey = Infallible;
+
+    fn key_in_body(&self, from: Infallible, _: &Parts, _: &Bytes) -> Result<String, Problem> {
+        match from {}
+    }
+
+    fn key_in_head(&self, _parts: &Parts, _scope: &str) -> Result<Head, Problem> {
+        Ok(Head::Key(self.key.clone()))
+    }
+
+    fn record_key(&self, _client_scope: String, route: &str, key: String) -> RecordKey {
+        RecordKey::new(CONSUMER_SCOPE, route, key)
+    }
+}
+
+/// The running consumers of a gateway.
+pub struct Consumers {
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Consumers {
+    /// Starts one task per consumer; each stops consuming when `stop` is
+    /// cancelled and finishes what it holds within its grace.
+    pub fn spawn(deliverers: Vec<Arc<Deliverer>>, stop: CancellationToken) -> Self {
+        let tasks = deliverers
+            .into_iter()
+            .map(|d| {
+                let signal = stop.clone();
+                tokio::spawn(async move {
+                    match d.settings().source.clone() {
+                        Source::Amqp {
+                            url,
+                            queue,
+                            dead_letter,
+                        } => amqp::run(d, url, queue, dead_letter, signal).await,
+                        Source::Nats {
+                            url,
+                            stream,
+                            durable,
+                            dead_letter,
+                        } => nats::run(d, url, stream, durable, dead_letter, signal).await,
+                    }
+                })
+            })
+            .collect();
+        Consumers { tasks }
+    }
+
+    /// Waits for every consumer to stop.
+    pub async fn join(self) {
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Runs `session` (connect, consume, return why it ended) again and again
+/// until `stop`, pausing with backoff between tries; a session that got
+/// connected starts the backoff over. `from` names the queue or stream in
+/// logs.
+pub(crate) async fn keep_connected<S, F>(
+    d: &Deliverer,
+    url: &str,
+    from: &str,
+    stop: &CancellationToken,
+    mut session: S,
+) where
+    S: FnMut() -> F,
+    F: std::future::Future<Output = Result<(), String>>,
+{
+    let name = &d.settings().name;
+    let mut failures = 0u32;
+    loop {
+        let connects = d.counters().connects();
+        let started = tokio::time::Instant::now();
+        let ended = session().await;
+        if stop.is_cancelled() {
+            return;
+        }
+        // Backoff starts over only after a session that stayed up: a broker
+        // that accepts and drops at once must not be hammered (and logged)
+        // every 100 ms.
+        if d.counters().connects() != connects && started.elapsed() >= RECONNECT_MAX {
+            failures = 0;
+        }
+        let why = ended
+            .err()
+            .unwrap_or_else(|| "the session ended".to_owned());
+        d.counters().set_disconnected(why.clone());
+        let pause = backoff(failures);
+        failures = failures.saturating_add(1);
+        // The first failure in a row is a warning, then about one a
+        // minute: a broker that is down for hours must not flood the log.
+        if failures == 1 || failures.is_multiple_of(12) {
+            tracing::warn!(consumer = %name, broker = %redact(url), from = %from, error = %why, retry_in = ?pause, layer = "consumer", "broker unreachable or connection lost; reconnecting");
+        } else {
+            tracing::debug!(consumer = %name, error = %why, retry_in = ?pause, layer = "consumer", "reconnecting");
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+/// The reconnect pause after `failures` failed attempts in a row.
+pub(crate) fn backoff(failures: u32) -> Duration {
+    RECONNECT_START
+        .saturating_mul(1 << failures.min(16))
+        .min(RECONNECT_MAX)
+}
+
+use idemgate_core::error::redact_url as redact;

@@ -1,0 +1,71 @@
+//! The fast layer: an accelerator in front of SQL, never the truth.
+//!
+//! It holds in-flight markers (`SET NX PX`, expiring with the lease) and
+//! completed responses (expiring with the retention). Two implementations:
+//! [`super::redis::RedisLayer`] (shared by every gateway instance) and
+//! [`super::memory::MemoryLayer`] (one process). The tiered store verifies
+//! every entry against the record key and fingerprint before using it, and
+//! treats any error or slow answer as "go to SQL".
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use sha2::{Digest, Sha256};
+
+use super::RecordKey;
+use super::codec::FastEntry;
+use idemgate_core::metrics::FallbackLayer;
+
+/// Why a fast-layer call failed (the caller falls back to SQL).
+#[derive(Debug, thiserror::Error)]
+pub enum FastError {
+    #[error("fast layer error: {0}")]
+    Backend(String),
+    #[error("fast layer value is not an idemgate entry: {0}")]
+    Corrupt(String),
+    #[error("fast layer is full")]
+    Full,
+}
+
+/// The operations the tiered store needs from a fast layer.
+pub trait FastLayer: Send + Sync + 'static {
+    /// For the `layer` label of `idemgate_store_fallback_total`.
+    fn layer(&self) -> FallbackLayer;
+
+    /// In one atomic step: the entry stored under `entry`'s key if there is
+    /// one, otherwise store `entry` (the in-flight marker) and answer `None`.
+    fn get_or_mark<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>>;
+
+    /// Stores `entry`, replacing what was there (`SET PX`).
+    fn put<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), FastError>>;
+
+    /// Forgets `key`.
+    fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>>;
+
+    /// Checks the layer answers (for `/readyz`).
+    fn ping(&self) -> BoxFuture<'_, Result<(), FastError>>;
+
+    /// Tells every instance that a watched record settled (see
+    /// [`super::settle`]); the in-process layer has nobody to tell.
+    fn announce<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<(), FastError>>;
+}
+
+/// The storage key of a record: a fixed-length hash, so no client input
+/// ever shapes a Redis key; the entry itself carries the full record key,
+/// which is compared on every read.
+pub fn storage_key(prefix: &str, key: &RecordKey) -> String {
+    let mut hash = Sha256::new();
+    for part in [&key.scope, &key.route, &key.key] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    format!("{prefix}{}", hex::encode(hash.finalize()))
+}

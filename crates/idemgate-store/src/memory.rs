@@ -1,0 +1,379 @@
+//! The in-process fast layer (when `store.redis_url` is empty).
+//!
+//! A sharded map with per-entry expiry, bounded twice (SPEC §1 rule 10):
+//! by entries, and by bytes (`store.memory_layer_bytes`, default 64 MiB) —
+//! a completed answer holds its whole stored body, so a bound in entries
+//! alone let 600 one-megabyte answers hold 600 MiB for a whole retention.
+//! Past either bound the least recently used entries go first (expired
+//! ones before anything else); an entry larger than a shard's share is not
+//! kept at all, and its replays come from SQL. Forgetting is always safe:
+//! the layer only spares SQL a read.
+//!
+//! Shards keep lock hold times short and contention low under a duplicate
+//! storm; each lock is a std `Mutex` held for a few map operations, never
+//! across an `.await`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::future::BoxFuture;
+
+use super::RecordKey;
+use super::codec::FastEntry;
+use super::fast::{FastError, FastLayer};
+use idemgate_core::metrics::FallbackLayer;
+
+const SHARDS: usize = 16;
+
+/// Entries kept at most, across shards.
+pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
+
+/// Bytes kept at most, across shards (`store.memory_layer_bytes`).
+pub const DEFAULT_MAX_BYTES: usize = 64 * 1024 * 1024;
+
+/// What an entry costs beyond its variable parts: the map slot, the
+/// recency index, the `Arc` and the entry's fixed fields.
+const ENTRY_OVERHEAD: usize = 256;
+
+/// The in-process fast layer.
+pub struct MemoryLayer {
+    shards: Vec<Mutex<Shard>>,
+    hasher: RandomState,
+    max_entries_per_shard: usize,
+    max_bytes_per_shard: usize,
+}
+
+#[derive(Default)]
+struct Shard {
+    entries: HashMap<RecordKey, Slot>,
+    /// Recency: use tick → key, oldest first.
+    recency: BTreeMap<u64, RecordKey>,
+    tick: u64,
+    bytes: usize,
+}
+
+struct Slot {
+    expires: Instant,
+    entry: Arc<FastEntry>,
+    bytes: usize,
+    used: u64,
+}
+
+impl Shard {
+    fn touch(&mut self, key: &RecordKey) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(slot) = self.entries.get_mut(key) {
+            self.recency.remove(&slot.used);
+            slot.used = tick;
+            self.recency.insert(tick, key.clone());
+        }
+    }
+
+    fn remove(&mut self, key: &RecordKey) -> bool {
+        match self.entries.remove(key) {
+            Some(slot) => {
+                self.recency.remove(&slot.used);
+                self.bytes -= slot.bytes;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn insert(&mut self, key: RecordKey, slot: Slot) {
+        self.remove(&key);
+        self.bytes += slot.bytes;
+        self.recency.insert(slot.used, key.clone());
+        self.entries.insert(key, slot);
+    }
+
+    /// Makes room for `incoming` more bytes and one more entry: expired
+    /// entries first, then the least recently used.
+    fn make_room(&mut self, incoming: usize, max_entries: usize, max_bytes: usize, now: Instant) {
+        let over = |s: &Shard| s.entries.len() >= max_entries || s.bytes + incoming > max_bytes;
+        if !over(self) {
+            return;
+        }
+        let expired: Vec<RecordKey> = self
+            .entries
+            .iter()
+            .filter(|(_, slot)| slot.expires <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in &expired {
+            self.remove(key);
+        }
+        while over(self) {
+            let Some((_, oldest)) = self.recency.pop_first() else {
+                break;
+            };
+            if let Some(slot) = self.entries.remove(&oldest) {
+                self.bytes -= slot.bytes;
+            }
+        }
+    }
+}
+
+/// What an entry holds in memory, roughly.
+fn size_of(entry: &FastEntry) -> usize {
+    let key = entry.key();
+    let fixed = ENTRY_OVERHEAD + key.scope.len() + key.route.len() + key.key.len();
+    match entry {
+        FastEntry::InFlight { fingerprint, .. } => fixed + fingerprint.len(),
+        FastEntry::Completed {
+            fingerprint,
+            response,
+            ..
+        } => {
+            let headers: usize = response
+                .headers
+                .iter()
+                .map(|(n, v)| n.len() + v.len() + 48)
+                .sum();
+            fixed + fingerprint.len() + response.body.len() + headers + response.request_id.len()
+        }
+    }
+}
+
+impl MemoryLayer {
+    /// A layer holding at most `max_entries` and the default byte budget.
+    pub fn new(max_entries: usize) -> Self {
+        Self::with_budget(max_entries, DEFAULT_MAX_BYTES)
+    }
+
+    /// A layer holding at most `max_entries` and `max_bytes`.
+    pub fn with_budget(max_entries: usize, max_bytes: usize) -> Self {
+        MemoryLayer {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: RandomState::new(),
+            max_entries_per_shard: max_entries.div_ceil(SHARDS).max(1),
+            max_bytes_per_shard: (max_bytes / SHARDS).max(ENTRY_OVERHEAD * 4),
+        }
+    }
+
+    fn shard(&self, key: &RecordKey) -> std::sync::MutexGuard<'_, Shard> {
+        let i = self.hasher.hash_one(key) as usize % SHARDS;
+        // Entries are plain values replaced whole, so a panic elsewhere
+        // cannot leave a shard half-written: a poisoned lock is still sound.
+        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stores `entry`; with `only_if_absent`, answers the live entry
+    /// instead when there is one (check and store under one lock).
+    fn store(
+        &self,
+        entry: &FastEntry,
+        ttl: Duration,
+        only_if_absent: bool,
+    ) -> Result<Option<Arc<FastEntry>>, FastError> {
+        let now = Instant::now();
+        let mut shard = self.shard(entry.key());
+        if let Some(slot) = shard.entries.get(entry.key())
+            && only_if_absent
+            && slot.expires > now
+        {
+            let existing = slot.entry.clone();
+            shard.touch(entry.key());
+            return Ok(Some(existing));
+        }
+        let bytes = size_of(entry);
+        if bytes > self.max_bytes_per_shard / 4 {
+            // Too large to be worth a quarter of a shard: not kept (not a
+            // failure either), SQL replays it.
+            shard.remove(entry.key());
+            return Ok(None);
+        }
+        shard.make_room(
+            bytes,
+            self.max_entries_per_shard,
+            self.max_bytes_per_shard,
+            now,
+        );
+        shard.tick += 1;
+        let used = shard.tick;
+        shard.insert(
+            entry.key().clone(),
+            Slot {
+                expires: now + ttl,
+                entry: Arc::new(entry.clone()),
+                bytes,
+                used,
+            },
+        );
+        Ok(None)
+    }
+
+    /// Forgets every entry of `route`/`key` (in `scope`, or in every scope);
+    /// returns how many.
+    pub fn forget(&self, route: &str, key: &str, scope: Option<&str>) -> usize {
+        if let Some(scope) = scope {
+            let key = RecordKey::new(scope, route, key);
+            return usize::from(self.shard(&key).remove(&key));
+        }
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let matching: Vec<RecordKey> = shard
+                .entries
+                .keys()
+                .filter(|k| k.route == route && k.key == key)
+                .cloned()
+                .collect();
+            for k in &matching {
+                removed += usize::from(shard.remove(k));
+            }
+        }
+        removed
+    }
+
+    /// Drops expired entries (run by the sweeper).
+    pub fn purge_expired(&self) -> usize {
+        let now = Instant::now();
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let expired: Vec<RecordKey> = shard
+                .entries
+                .iter()
+                .filter(|(_, slot)| slot.expires <= now)
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in &expired {
+                removed += usize::from(shard.remove(k));
+            }
+        }
+        removed
+    }
+
+    /// Bytes held, across shards (for `/metrics` and the tests).
+    pub fn bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).bytes)
+            .sum()
+    }
+
+    /// Entries held, across shards.
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).entries.len())
+            .sum()
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl FastLayer for MemoryLayer {
+    fn layer(&self) -> FallbackLayer {
+        FallbackLayer::Memory
+    }
+
+    fn get_or_mark<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
+        let found = self
+            .store(entry, ttl, true)
+            .map(|existing| existing.map(|e| (*e).clone()));
+        Box::pin(std::future::ready(found))
+    }
+
+    fn put<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), FastError>> {
+        Box::pin(std::future::ready(
+            self.store(entry, ttl, false).map(|_| ()),
+        ))
+    }
+
+    fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>> {
+        self.shard(key).remove(key);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), FastError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn announce<'a>(&'a self, _token: &'a str) -> BoxFuture<'a, Result<(), FastError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::StoredResponse;
+
+    fn completed(key: &str, body: usize) -> FastEntry {
+        FastEntry::Completed {
+            key: RecordKey::new("s", "r", key),
+            fingerprint: "fp".into(),
+            response: StoredResponse {
+                status: 200,
+                headers: vec![],
+                body: bytes::Bytes::from(vec![b'x'; body]),
+                body_kept: true,
+                request_id: "rid".into(),
+            },
+            expires_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn the_byte_budget_holds_and_the_least_recently_used_go_first() {
+        // 16 shards of 1 MiB; entries up to a quarter of a shard are kept.
+        let layer = MemoryLayer::with_budget(100_000, 16 * 1024 * 1024);
+        let hour = Duration::from_secs(3600);
+        for i in 0..600 {
+            let _ = layer.store(&completed(&format!("k{i}"), 200 * 1024), hour, false);
+        }
+        assert!(layer.bytes() <= 16 * 1024 * 1024, "{} bytes", layer.bytes());
+        assert!(layer.len() >= 40, "{} entries", layer.len());
+        // A recently used entry survives the next wave; the oldest do not.
+        let _ = layer.store(&completed("hot", 1024), hour, false);
+        for i in 600..1200 {
+            let _ = layer.store(&completed("hot", 1024), hour, true);
+            let _ = layer.store(&completed(&format!("k{i}"), 200 * 1024), hour, false);
+        }
+        let hot = RecordKey::new("s", "r", "hot");
+        assert!(layer.shard(&hot).entries.contains_key(&hot));
+        let first = RecordKey::new("s", "r", "k0");
+        assert!(!layer.shard(&first).entries.contains_key(&first));
+        assert!(layer.bytes() <= 16 * 1024 * 1024);
+        // An answer too large for a shard's quarter is not kept at all.
+        layer
+            .store(&completed("huge", 600 * 1024), hour, false)
+            .unwrap();
+        let huge = RecordKey::new("s", "r", "huge");
+        assert!(!layer.shard(&huge).entries.contains_key(&huge));
+    }
+
+    #[test]
+    fn forgetting_keeps_the_accounting_right() {
+        let layer = MemoryLayer::with_budget(1000, 16 * 1024 * 1024);
+        let hour = Duration::from_secs(3600);
+        for i in 0..10 {
+            layer
+                .store(&completed(&format!("k{i}"), 1000), hour, false)
+                .unwrap();
+        }
+        assert_eq!(layer.forget("r", "k3", None), 1);
+        assert_eq!(layer.forget("r", "k4", Some("s")), 1);
+        assert_eq!(layer.len(), 8);
+        for i in 0..10 {
+            layer.forget("r", &format!("k{i}"), None);
+        }
+        assert_eq!((layer.len(), layer.bytes()), (0, 0));
+    }
+}

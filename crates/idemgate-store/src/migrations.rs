@@ -1,0 +1,196 @@
+//! The store's schema, applied by a migrator of its own.
+//!
+//! The migrations are sqlx's, embedded with `include_str!` (no build-time
+//! macro), and their bookkeeping lives in a table of their own,
+//! [`MIGRATIONS_TABLE`], never in `_sqlx_migrations`: an application that
+//! runs its own sqlx migrations on the same database would otherwise find
+//! Idemgate's versions in its table ("previously applied but missing"), or
+//! Idemgate would find the application's.
+//!
+//! A database migrated by a release that still used `_sqlx_migrations` is
+//! adopted once: Idemgate's rows there (same version and checksum) move to
+//! its own table in one transaction, so nothing is applied twice and the
+//! application's table keeps only the application's rows.
+
+use std::borrow::Cow;
+
+use sqlx::migrate::{Migrate, MigrateError, Migration, MigrationType, Migrator};
+use sqlx::{Connection, SqlSafeStr};
+
+/// The table that records which of Idemgate's migrations ran.
+pub const MIGRATIONS_TABLE: &str = "_idemgate_migrations";
+
+/// Where earlier releases recorded them (sqlx's default, shared with the
+/// application's own migrations).
+const SHARED_TABLE: &str = "_sqlx_migrations";
+
+/// One migration file.
+struct Source {
+    version: i64,
+    description: &'static str,
+    sql: &'static str,
+}
+
+#[cfg(feature = "postgres")]
+const POSTGRES: [Source; 3] = [
+    Source {
+        version: 1,
+        description: "records",
+        sql: include_str!("../migrations/postgres/0001_records.sql"),
+    },
+    Source {
+        version: 2,
+        description: "purges",
+        sql: include_str!("../migrations/postgres/0002_purges.sql"),
+    },
+    Source {
+        version: 3,
+        description: "settling",
+        sql: include_str!("../migrations/postgres/0003_settling.sql"),
+    },
+];
+
+#[cfg(feature = "sqlite")]
+const SQLITE: [Source; 3] = [
+    Source {
+        version: 1,
+        description: "records",
+        sql: include_str!("../migrations/sqlite/0001_records.sql"),
+    },
+    Source {
+        version: 2,
+        description: "purges",
+        sql: include_str!("../migrations/sqlite/0002_purges.sql"),
+    },
+    Source {
+        version: 3,
+        description: "settling",
+        sql: include_str!("../migrations/sqlite/0003_settling.sql"),
+    },
+];
+
+fn migrator(sources: &[Source]) -> Migrator {
+    let migrations = sources
+        .iter()
+        .map(|s| {
+            Migration::new(
+                s.version,
+                Cow::Borrowed(s.description),
+                MigrationType::Simple,
+                s.sql.into_sql_str(),
+                false,
+            )
+        })
+        .collect();
+    let mut migrator = Migrator::with_migrations(migrations);
+    // Not "dangerous" here: the adoption below moves the rows first.
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    migrator
+}
+
+/// Applies the Postgres schema.
+#[cfg(feature = "postgres")]
+pub(crate) async fn postgres(
+    pool: &sqlx::PgPool,
+    schema: Option<&str>,
+) -> Result<(), MigrateError> {
+    let migrator = migrator(&POSTGRES);
+    let mut conn = pool.acquire().await?;
+    if let Some(schema) = schema {
+        // A checked identifier (`sql::check_schema`): safe to splice.
+        let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
+        sqlx::query(sqlx::AssertSqlSafe(create))
+            .execute(&mut *conn)
+            .await?;
+    }
+    // Serialised against other instances starting at the same moment (the
+    // migrator's own lock is taken later, per run).
+    conn.lock().await?;
+    let adopted = adopt(
+        &mut conn,
+        &migrator,
+        "SELECT to_regclass($1) IS NOT NULL",
+        "CREATE TABLE IF NOT EXISTS _idemgate_migrations (version BIGINT PRIMARY KEY, \
+         description TEXT NOT NULL, installed_on TIMESTAMPTZ NOT NULL DEFAULT now(), \
+         success BOOLEAN NOT NULL, checksum BYTEA NOT NULL, execution_time BIGINT NOT NULL)",
+    )
+    .await;
+    conn.unlock().await?;
+    adopted?;
+    drop(conn);
+    migrator.run(pool).await
+}
+
+/// Applies the SQLite schema.
+#[cfg(feature = "sqlite")]
+pub(crate) async fn sqlite(pool: &sqlx::SqlitePool) -> Result<(), MigrateError> {
+    let migrator = migrator(&SQLITE);
+    let mut conn = pool.acquire().await?;
+    adopt(
+        &mut conn,
+        &migrator,
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = $1)",
+        "CREATE TABLE IF NOT EXISTS _idemgate_migrations (version BIGINT PRIMARY KEY, \
+         description TEXT NOT NULL, installed_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP, \
+         success BOOLEAN NOT NULL, checksum BLOB NOT NULL, execution_time BIGINT NOT NULL)",
+    )
+    .await?;
+    drop(conn);
+    migrator.run(pool).await
+}
+
+/// Moves Idemgate's rows from the shared table to its own, once: only when
+/// its own table does not exist yet and the shared one does. A row moves
+/// only if both its version and its checksum are Idemgate's (an
+/// application's migration numbered 1 stays where it is).
+async fn adopt<'c, DB>(
+    conn: &'c mut sqlx::pool::PoolConnection<DB>,
+    migrator: &Migrator,
+    table_exists: &'static str,
+    create: &'static str,
+) -> Result<(), MigrateError>
+where
+    DB: sqlx::Database,
+    for<'e> &'e mut DB::Connection: sqlx::Executor<'e, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: for<'q> sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    bool: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    use sqlx::Row;
+    let exists = async |conn: &mut DB::Connection, table: &str| -> Result<bool, sqlx::Error> {
+        let row = sqlx::query::<DB>(table_exists)
+            .bind(table)
+            .fetch_one(&mut *conn)
+            .await?;
+        row.try_get::<bool, _>(0)
+    };
+    let conn: &mut DB::Connection = conn;
+    if exists(conn, MIGRATIONS_TABLE).await? || !exists(conn, SHARED_TABLE).await? {
+        return Ok(());
+    }
+    let mut tx = conn.begin().await?;
+    sqlx::query::<DB>(create).execute(&mut *tx).await?;
+    for m in migrator.iter() {
+        // The same rows both times, within one transaction.
+        sqlx::query::<DB>(
+            "INSERT INTO _idemgate_migrations \
+             (version, description, installed_on, success, checksum, execution_time) \
+             SELECT version, description, installed_on, success, checksum, execution_time \
+             FROM _sqlx_migrations WHERE version = $1 AND checksum = $2",
+        )
+        .bind(m.version)
+        .bind(&*m.checksum)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query::<DB>("DELETE FROM _sqlx_migrations WHERE version = $1 AND checksum = $2")
+            .bind(m.version)
+            .bind(&*m.checksum)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}

@@ -1,0 +1,176 @@
+//! The Redis fast layer, shared by every gateway instance.
+//!
+//! `redis://…` uses one multiplexed connection behind a
+//! `ConnectionManager`, which reconnects by itself after Redis restarts;
+//! `redis+cluster://host:port,host:port` uses the crate's cluster client.
+//! The connection is made lazily, so the gateway starts (on the SQL path)
+//! while Redis is down. Values are [`super::codec`] entries under
+//! `<prefix><sha256 of the record key>`.
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use redis::AsyncCommands;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use tokio::sync::OnceCell;
+
+use super::RecordKey;
+use super::codec::{FastEntry, decode_entry, encode_entry};
+use super::fast::{FastError, FastLayer, storage_key};
+use idemgate_core::metrics::FallbackLayer;
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+enum Target {
+    Single(ConnectionManager),
+    Cluster(Box<redis::cluster::ClusterClient>),
+}
+
+/// The Redis fast layer.
+pub struct RedisLayer {
+    target: Target,
+    cluster: OnceCell<ClusterConnection>,
+    prefix: String,
+    /// Where settled records are announced (`<prefix>settled`).
+    channel: String,
+    get_or_mark: redis::Script,
+}
+
+/// GET, or SET … PX when absent, in one atomic step and one round trip
+/// (a script runs alone on its shard). Answers the existing value or nil.
+const GET_OR_MARK: &str = r#"
+local existing = redis.call('GET', KEYS[1])
+if existing then return existing end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false
+"#;
+
+fn backend(e: redis::RedisError) -> FastError {
+    FastError::Backend(e.to_string())
+}
+
+impl RedisLayer {
+    /// A layer for `url`; connects on first use. `budget` bounds how long
+    /// a reconnect attempt may take.
+    pub fn new(url: &str, prefix: &str, budget: Duration) -> Result<RedisLayer, FastError> {
+        let target = if let Some(nodes) = url.strip_prefix("redis+cluster://") {
+            let nodes: Vec<String> = nodes
+                .trim_end_matches('/')
+                .split(',')
+                .map(|n| format!("redis://{n}"))
+                .collect();
+            Target::Cluster(Box::new(
+                redis::cluster::ClusterClient::new(nodes).map_err(backend)?,
+            ))
+        } else {
+            let client = redis::Client::open(url).map_err(backend)?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(budget.max(Duration::from_millis(200))))
+                .set_response_timeout(Some(budget.max(Duration::from_millis(200))))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            Target::Single(
+                client
+                    .get_connection_manager_lazy(config)
+                    .map_err(backend)?,
+            )
+        };
+        Ok(RedisLayer {
+            target,
+            cluster: OnceCell::new(),
+            prefix: prefix.to_owned(),
+            channel: super::settle::redis_channel(prefix),
+            get_or_mark: redis::Script::new(GET_OR_MARK),
+        })
+    }
+
+    async fn conn(&self) -> Result<Conn, FastError> {
+        match &self.target {
+            Target::Single(manager) => Ok(Conn::Single(manager.clone())),
+            Target::Cluster(client) => {
+                let conn = self
+                    .cluster
+                    .get_or_try_init(|| client.get_async_connection())
+                    .await
+                    .map_err(backend)?;
+                Ok(Conn::Cluster(conn.clone()))
+            }
+        }
+    }
+}
+
+macro_rules! with_conn {
+    ($conn:expr, $c:ident => $body:expr) => {
+        match $conn {
+            Conn::Single(mut $c) => $body,
+            Conn::Cluster(mut $c) => $body,
+        }
+    };
+}
+
+impl FastLayer for RedisLayer {
+    fn layer(&self) -> FallbackLayer {
+        FallbackLayer::Redis
+    }
+
+    fn get_or_mark<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
+        Box::pin(async move {
+            let name = storage_key(&self.prefix, entry.key());
+            let millis = ttl.as_millis().max(1) as u64;
+            let mut invocation = self.get_or_mark.key(&name);
+            invocation.arg(encode_entry(entry)).arg(millis);
+            let found: Option<Vec<u8>> = with_conn!(self.conn().await?, c => {
+                invocation.invoke_async(&mut c).await.map_err(backend)?
+            });
+            found
+                .map(|bytes| decode_entry(&bytes).map_err(FastError::Corrupt))
+                .transpose()
+        })
+    }
+
+    fn put<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), FastError>> {
+        Box::pin(async move {
+            let name = storage_key(&self.prefix, entry.key());
+            let millis = ttl.as_millis().max(1) as u64;
+            with_conn!(self.conn().await?, c => {
+                c.pset_ex::<_, _, ()>(&name, encode_entry(entry), millis).await.map_err(backend)
+            })
+        })
+    }
+
+    fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>> {
+        Box::pin(async move {
+            let name = storage_key(&self.prefix, key);
+            with_conn!(self.conn().await?, c => c.del::<_, ()>(&name).await.map_err(backend))
+        })
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), FastError>> {
+        Box::pin(async move {
+            with_conn!(self.conn().await?, c => {
+                redis::cmd("PING").query_async::<String>(&mut c).await.map(|_| ()).map_err(backend)
+            })
+        })
+    }
+
+    fn announce<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<(), FastError>> {
+        Box::pin(async move {
+            with_conn!(self.conn().await?, c => {
+                c.publish::<_, _, ()>(&self.channel, token).await.map_err(backend)
+            })
+        })
+    }
+}

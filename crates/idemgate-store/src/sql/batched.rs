@@ -1,0 +1,296 @@
+//! Many claims or completions in one statement: a Postgres `UNNEST` over
+//! one array per column, or one SQLite write transaction (one fsync) — see
+//! [`crate::batch`] for who gathers the batches.
+
+use std::time::Duration;
+
+#[cfg(feature = "sqlite")]
+use sqlx::Connection;
+use sqlx::Row;
+
+use super::super::codec::encode_headers;
+use super::super::held::HeldConnection;
+use super::super::statements::millis;
+use super::super::{RecordKey, StoreError, StoredResponse};
+use super::{Pool, SqlStore, left};
+
+impl SqlStore {
+    /// The fresh-key half of a claim, for many keys at once: one
+    /// `INSERT … ON CONFLICT DO NOTHING` (one commit). The epoch and expiry
+    /// where the row was inserted, i.e. the claim was won. A key twice in one batch
+    /// is inserted for its first job only; the second then meets the row
+    /// like any duplicate.
+    pub(crate) async fn insert_claims(
+        &self,
+        batch: &[NewClaim],
+        held: &HeldConnection,
+    ) -> Result<Vec<Option<(i64, i64)>>, StoreError> {
+        let Some(first) = batch.first() else {
+            return Ok(Vec::new());
+        };
+        // One store, one lease and retention: the batch shares them.
+        let (lease, retention) = (millis(first.lease), millis(first.retention));
+        match &self.pool {
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(pool) if batch.len() > 1 => {
+                let mut columns = PgClaimColumns::default();
+                let mut seen = std::collections::HashSet::new();
+                let mut fresh = Vec::with_capacity(batch.len());
+                for c in batch {
+                    let new = seen.insert(&c.key);
+                    fresh.push(new);
+                    if new {
+                        columns.push(c);
+                    }
+                }
+                let query = sqlx::query(self.sql().claim_insert_many.as_str())
+                    .bind(&columns.scope)
+                    .bind(&columns.route)
+                    .bind(&columns.key)
+                    .bind(&columns.fingerprint)
+                    .bind(lease)
+                    .bind(&columns.request_id)
+                    .bind(retention);
+                let inserted = self
+                    .bounded(
+                        "claim",
+                        self.on_batch_connection(pool, held, async move |conn| {
+                            let rows = query.fetch_all(conn).await?;
+                            rows.iter()
+                                .map(|row| {
+                                    let won =
+                                        (row.try_get::<i64, _>(3)?, row.try_get::<i64, _>(4)?);
+                                    Ok((returned_key(row)?, won))
+                                })
+                                .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
+                        }),
+                    )
+                    .await?;
+                Ok(batch
+                    .iter()
+                    .zip(fresh)
+                    .map(|(c, fresh)| fresh.then(|| inserted.get(&c.key).copied()).flatten())
+                    .collect())
+            }
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(pool) => {
+                let c = first;
+                let statement = self.sql().claim_insert.as_str();
+                let epoch = self
+                    .bounded(
+                        "claim",
+                        self.on_batch_connection(pool, held, async |conn| {
+                            sqlx::query(statement)
+                                .bind(&c.key.scope)
+                                .bind(&c.key.route)
+                                .bind(&c.key.key)
+                                .bind(&c.fingerprint)
+                                .bind(lease)
+                                .bind(&c.request_id)
+                                .bind(retention)
+                                .fetch_optional(conn)
+                                .await?
+                                .map(|row| {
+                                    Ok((row.try_get::<i64, _>(0)?, row.try_get::<i64, _>(1)?))
+                                })
+                                .transpose()
+                        }),
+                    )
+                    .await?;
+                Ok(vec![epoch])
+            }
+            #[cfg(feature = "sqlite")]
+            Pool::Sqlite(pool) => {
+                // One write transaction, one fsync, for the whole batch.
+                let statement = self.sql().claim_insert.as_str();
+                self.bounded("claim", async {
+                    let mut conn = pool.acquire().await?;
+                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                    let mut won = Vec::with_capacity(batch.len());
+                    for c in batch {
+                        let row = sqlx::query(statement)
+                            .bind(&c.key.scope)
+                            .bind(&c.key.route)
+                            .bind(&c.key.key)
+                            .bind(&c.fingerprint)
+                            .bind(lease)
+                            .bind(&c.request_id)
+                            .bind(retention)
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                        won.push(
+                            row.map(|r| Ok::<_, sqlx::Error>((r.try_get(0)?, r.try_get(1)?)))
+                                .transpose()?,
+                        );
+                    }
+                    tx.commit().await?;
+                    Ok(won)
+                })
+                .await
+            }
+        }
+    }
+
+    /// Stores many outcomes at once (see [`crate::batch`]); for each, the
+    /// retention left and whether a duplicate waits for it, or `None` where
+    /// the epoch no longer holds the claim.
+    pub(crate) async fn complete_many(
+        &self,
+        batch: &[Completion],
+        held: &HeldConnection,
+    ) -> Result<Vec<Option<(Duration, bool)>>, StoreError> {
+        match &self.pool {
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(pool) => {
+                let mut columns = PgColumns::default();
+                for c in batch {
+                    columns.push(c);
+                }
+                let query = sqlx::query(self.sql().complete_many.as_str())
+                    .bind(&columns.scope)
+                    .bind(&columns.route)
+                    .bind(&columns.key)
+                    .bind(&columns.epoch)
+                    .bind(&columns.status)
+                    .bind(&columns.headers)
+                    .bind(&columns.body)
+                    .bind(&columns.body_kept)
+                    .bind(&columns.request_id);
+                let done = self
+                    .bounded(
+                        "complete",
+                        self.on_batch_connection(pool, held, async move |conn| {
+                            let rows = query.fetch_all(conn).await?;
+                            rows.iter()
+                                .map(|row| {
+                                    let done = (left(row.try_get(3)?), row.try_get::<bool, _>(4)?);
+                                    Ok((returned_key(row)?, done))
+                                })
+                                .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
+                        }),
+                    )
+                    .await?;
+                Ok(batch.iter().map(|c| done.get(&c.key).copied()).collect())
+            }
+            #[cfg(feature = "sqlite")]
+            Pool::Sqlite(pool) => {
+                // One write transaction, one fsync, for the whole batch.
+                let statement = self.sql().complete.as_str();
+                self.bounded("complete", async {
+                    let mut conn = pool.acquire().await?;
+                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                    let mut accepted = Vec::with_capacity(batch.len());
+                    for c in batch {
+                        let headers = encode_headers(&c.response.headers);
+                        let row = sqlx::query(statement)
+                            .bind(&c.key.scope)
+                            .bind(&c.key.route)
+                            .bind(&c.key.key)
+                            .bind(c.epoch)
+                            .bind(i32::from(c.response.status))
+                            .bind(&headers)
+                            .bind(c.response.body.as_ref())
+                            .bind(c.response.body_kept)
+                            .bind(&c.response.request_id)
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                        accepted.push(
+                            row.map(|r| {
+                                Ok::<_, sqlx::Error>((
+                                    left(r.try_get(0)?),
+                                    r.try_get::<bool, _>(1)?,
+                                ))
+                            })
+                            .transpose()?,
+                        );
+                    }
+                    tx.commit().await?;
+                    Ok(accepted)
+                })
+                .await
+            }
+        }
+    }
+}
+
+/// One claim of a key, as [`SqlStore::insert_claims`] takes it.
+#[derive(Debug, Clone)]
+pub struct NewClaim {
+    pub key: RecordKey,
+    pub fingerprint: String,
+    pub request_id: String,
+    pub lease: Duration,
+    pub retention: Duration,
+    /// Take a record past its retention over even within its tombstone
+    /// (a sender's redelivery, not a client's retry).
+    pub past_tombstone: bool,
+}
+
+#[derive(Default)]
+#[cfg(feature = "postgres")]
+struct PgClaimColumns {
+    scope: Vec<String>,
+    route: Vec<String>,
+    key: Vec<String>,
+    fingerprint: Vec<String>,
+    request_id: Vec<String>,
+}
+
+#[cfg(feature = "postgres")]
+impl PgClaimColumns {
+    fn push(&mut self, c: &NewClaim) {
+        self.scope.push(c.key.scope.clone());
+        self.route.push(c.key.route.clone());
+        self.key.push(c.key.key.clone());
+        self.fingerprint.push(c.fingerprint.clone());
+        self.request_id.push(c.request_id.clone());
+    }
+}
+
+/// One completion waiting to be written.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub key: RecordKey,
+    pub epoch: i64,
+    pub response: StoredResponse,
+}
+
+/// A batch as Postgres arrays, one per column.
+#[derive(Default)]
+#[cfg(feature = "postgres")]
+struct PgColumns {
+    scope: Vec<String>,
+    route: Vec<String>,
+    key: Vec<String>,
+    epoch: Vec<i64>,
+    status: Vec<i32>,
+    headers: Vec<Vec<u8>>,
+    body: Vec<Vec<u8>>,
+    body_kept: Vec<bool>,
+    request_id: Vec<String>,
+}
+
+#[cfg(feature = "postgres")]
+impl PgColumns {
+    fn push(&mut self, c: &Completion) {
+        self.scope.push(c.key.scope.clone());
+        self.route.push(c.key.route.clone());
+        self.key.push(c.key.key.clone());
+        self.epoch.push(c.epoch);
+        self.status.push(i32::from(c.response.status));
+        self.headers.push(encode_headers(&c.response.headers));
+        self.body.push(c.response.body.to_vec());
+        self.body_kept.push(c.response.body_kept);
+        self.request_id.push(c.response.request_id.clone());
+    }
+}
+
+/// The record a batched `… RETURNING scope, route, idem_key` row names.
+#[cfg(feature = "postgres")]
+fn returned_key(row: &sqlx::postgres::PgRow) -> Result<RecordKey, sqlx::Error> {
+    Ok(RecordKey {
+        scope: row.try_get(0)?,
+        route: row.try_get(1)?,
+        key: row.try_get(2)?,
+    })
+}

@@ -1,0 +1,641 @@
+//! [`Store`]: the fast layer in front of the SQL record.
+//!
+//! Claim protocol, in order:
+//! 1. In one atomic fast-layer step (a Lua script on Redis, one lock in
+//!    process; bounded by `store.fast_layer_budget`): read what is stored,
+//!    or, if nothing is, place an in-flight marker that expires with the
+//!    lease. A verified completed entry with the same fingerprint is
+//!    replayed; a verified in-flight marker with the same fingerprint is
+//!    answered "in flight". Neither touches SQL. Anything else — another
+//!    fingerprint, a foreign or corrupt value — goes on to SQL unmarked.
+//! 2. (Only a request that placed the marker, or that could not use the fast
+//!    layer, gets here.)
+//! 3. Claim in SQL — always, for every request that could win. SQL decides;
+//!    the marker only spares SQL the duplicates. If SQL says anything but
+//!    "won" (Redis had lost its keys), the marker is removed again and a
+//!    completed outcome is written back to the fast layer.
+//!
+//! A fast-layer error or timeout at any step skips the fast layer for this
+//! request and is counted in `idemgate_store_fallback_total{layer}`; it can
+//! never let a duplicate through because step 3 always runs. Writes after
+//! the claim go to SQL first (the truth) and to the fast layer second, best
+//! effort.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::batch::{Batcher, MAX_BATCH};
+use super::codec::FastEntry;
+use super::fast::FastLayer;
+use super::held::HeldConnection;
+use super::settle::{Channel, Settlements, Watch};
+use super::sql::{Completion, NewClaim, SqlStore};
+use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
+use idemgate_core::metrics::Metrics;
+
+/// Where token records live (kept equal to [`idemgate::token::TOKEN_RECORDS`]
+/// by a test; the store does not depend on the token module).
+pub const TOKEN_NAMESPACE: &str = "/token";
+
+/// A completion whose body is larger goes to the large lane.
+const LARGE_BODY: usize = 64 * 1024;
+
+/// A batch writer of completions, on its own kept connection.
+fn completion_batcher(
+    sql: &SqlStore,
+    max_batch: usize,
+) -> Batcher<Completion, Option<(Duration, bool)>> {
+    let sql = sql.clone();
+    let held = Arc::new(HeldConnection::default());
+    Batcher::spawn_with_max(
+        "complete",
+        sql.timeout(),
+        max_batch,
+        move |batch: Vec<Completion>| {
+            let (sql, held) = (sql.clone(), held.clone());
+            async move {
+                let result = sql.complete_many(&batch, &held).await;
+                (batch, result)
+            }
+        },
+        // A holder whose write timed out checks whether it landed.
+        |_, _| {},
+    )
+}
+
+/// Timing settings of the store (from `[store]`).
+#[derive(Debug, Clone, Copy)]
+pub struct StoreSettings {
+    pub lease: Duration,
+    pub retention: Duration,
+    pub fast_layer_budget: Duration,
+}
+
+/// The store the gateway uses. Must be made inside a tokio runtime (it
+/// starts the completion writer).
+#[derive(Clone)]
+pub struct Store {
+    sql: SqlStore,
+    claims: Batcher<NewClaim, Option<(i64, i64)>>,
+    completions: Batcher<Completion, Option<(Duration, bool)>>,
+    /// Completions with large bodies, in a lane of their own: a batch of
+    /// megabyte answers takes its time to write, and the small ones (most
+    /// of them) must not queue behind it.
+    large_completions: Batcher<Completion, Option<(Duration, bool)>>,
+    fast: Option<Arc<dyn FastLayer>>,
+    settings: StoreSettings,
+    metrics: Arc<Metrics>,
+    /// This process's waiters (shared by every worker's store) and how a
+    /// settled record is announced to the other instances.
+    settlements: Arc<Settlements>,
+    channel: Channel,
+}
+
+impl Store {
+    /// Composes `sql` with an optional fast layer.
+    pub fn new(
+        sql: SqlStore,
+        fast: Option<Arc<dyn FastLayer>>,
+        settings: StoreSettings,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self::with_settlements(sql, fast, settings, metrics, Arc::default(), Channel::Local)
+    }
+
+    /// [`Self::new`], sharing `settlements` (one per process) and
+    /// announcing settled records on `channel`.
+    pub fn with_settlements(
+        sql: SqlStore,
+        fast: Option<Arc<dyn FastLayer>>,
+        settings: StoreSettings,
+        metrics: Arc<Metrics>,
+        settlements: Arc<Settlements>,
+        channel: Channel,
+    ) -> Self {
+        Store {
+            claims: {
+                let (writer, releaser) = (sql.clone(), sql.clone());
+                let held = Arc::new(HeldConnection::default());
+                Batcher::spawn(
+                    "claim",
+                    sql.timeout(),
+                    move |batch: Vec<NewClaim>| {
+                        let (sql, held) = (writer.clone(), held.clone());
+                        async move {
+                            let result = sql.insert_claims(&batch, &held).await;
+                            (batch, result)
+                        }
+                    },
+                    {
+                        // Won after its caller was told 503: nobody will
+                        // forward it, so the key is given back at once rather
+                        // than held until its lease.
+                        move |claim: NewClaim, won: Option<(i64, i64)>| {
+                            if let Some((epoch, _)) = won {
+                                let sql = releaser.clone();
+                                tokio::spawn(async move {
+                                    let released = sql.release(&claim.key, epoch).await;
+                                    tracing::info!(route = %claim.key.route, key = %claim.key.escaped(), layer = "store", ?released, "claim committed after its caller gave up; released");
+                                });
+                            }
+                        }
+                    },
+                )
+            },
+            completions: completion_batcher(&sql, MAX_BATCH),
+            // One at a time: the statement (and, on SQLite, the one
+            // connection) is taken for a single large write, and the
+            // claims and small completions get their turns in between.
+            large_completions: completion_batcher(&sql, 1),
+            sql,
+            fast,
+            settings,
+            metrics,
+            settlements,
+            channel,
+        }
+    }
+
+    /// This process's waiters.
+    pub fn settlements(&self) -> &Arc<Settlements> {
+        &self.settlements
+    }
+
+    /// How settled records are announced to other instances.
+    pub fn channel(&self) -> Channel {
+        self.channel
+    }
+
+    /// The SQL record store.
+    pub fn sql(&self) -> &SqlStore {
+        &self.sql
+    }
+
+    /// The timing settings.
+    pub fn settings(&self) -> StoreSettings {
+        self.settings
+    }
+
+    /// Runs one fast-layer call within the budget. `None` means "skip the
+    /// fast layer": the failure is counted and logged here.
+    async fn fast<T, E: std::fmt::Display>(
+        &self,
+        op: &'static str,
+        call: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Option<T> {
+        let fast = self.fast.as_ref()?;
+        match tokio::time::timeout(self.settings.fast_layer_budget, call).await {
+            Ok(Ok(value)) => Some(value),
+            Ok(Err(e)) => {
+                self.metrics.fallback(fast.layer());
+                tracing::debug!(op, error = %e, layer = "fast", "fast layer failed; using SQL");
+                None
+            }
+            Err(_) => {
+                self.metrics.fallback(fast.layer());
+                tracing::debug!(op, budget = ?self.settings.fast_layer_budget, layer = "fast", "fast layer too slow; using SQL");
+                None
+            }
+        }
+    }
+
+    /// Claims `key` for the request with `fingerprint`.
+    pub async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        request_id: &str,
+    ) -> Result<Claim, StoreError> {
+        let started = Instant::now();
+        let mut marked = false;
+        if let Some(fast) = &self.fast {
+            let marker = FastEntry::InFlight {
+                key: key.clone(),
+                fingerprint: fingerprint.to_owned(),
+                expires_at_ms: super::after_ms(now_ms(), self.settings.retention),
+            };
+            // One atomic round trip: what is stored, or our marker placed.
+            match self
+                .fast(
+                    "get_or_mark",
+                    fast.get_or_mark(&marker, self.settings.lease),
+                )
+                .await
+            {
+                Some(None) => marked = true,
+                Some(Some(entry)) if entry.key() == key && entry.fingerprint() == fingerprint => {
+                    match entry {
+                        FastEntry::Completed {
+                            response,
+                            expires_at_ms,
+                            ..
+                        } => {
+                            return Ok(Claim::Completed {
+                                response,
+                                expires_at_ms,
+                            });
+                        }
+                        FastEntry::InFlight { expires_at_ms, .. } => {
+                            return Ok(Claim::InFlight {
+                                retry_after: self.settings.lease,
+                                expires_at_ms,
+                            });
+                        }
+                    }
+                }
+                Some(Some(entry)) if entry.key() != key => {
+                    // A value that is not ours under our key: never trust
+                    // it, let SQL decide, and count it.
+                    self.metrics.fallback(fast.layer());
+                    tracing::warn!(route = %key.route, key = %key.escaped(), layer = "fast", "foreign fast-layer value ignored");
+                }
+                Some(Some(_)) => {} // another fingerprint: SQL answers (422)
+                None => {}
+            }
+        }
+        // The whole SQL half (insert, takeover, read) within one
+        // `store.timeout`, not one per statement.
+        let bound = self.sql.timeout();
+        let answer = tokio::time::timeout(bound, self.claim_in_sql(key, fingerprint, request_id))
+            .await
+            .unwrap_or(Err(StoreError::Timeout {
+                op: "claim",
+                after: bound,
+            }));
+        self.metrics.store_latency.observe(started.elapsed());
+        let (claim, left) = match answer {
+            Ok((claim, left)) => (Ok(claim), left),
+            Err(e) => (Err(e), Duration::ZERO),
+        };
+        if let Some(fast) = &self.fast {
+            match &claim {
+                Ok(Claim::Won { .. }) => {}
+                // Re-cached for what is left of the record's retention, not
+                // a whole new one.
+                Ok(Claim::Completed {
+                    response,
+                    expires_at_ms,
+                }) if !left.is_zero() => {
+                    let entry = FastEntry::Completed {
+                        key: key.clone(),
+                        fingerprint: fingerprint.to_owned(),
+                        response: response.clone(),
+                        expires_at_ms: *expires_at_ms,
+                    };
+                    self.fast("put", fast.put(&entry, left)).await;
+                }
+                _ if marked => {
+                    // Our marker must not outlive a claim that was not won:
+                    // it would answer 409 for a whole lease. A removal
+                    // slower than the budget (Redis busy in a burst) is
+                    // finished in the background instead of given up.
+                    let removed = self.fast("remove", fast.remove(key)).await;
+                    if removed.is_none() {
+                        let (fast, key) = (fast.clone(), key.clone());
+                        let bound = self.sql.timeout();
+                        tokio::spawn(async move {
+                            let _ = tokio::time::timeout(bound, fast.remove(&key)).await;
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        claim
+    }
+
+    /// The SQL half of a claim: the fresh-key insert goes through the batch
+    /// writer (shared commit), the rest through the single-row path. With
+    /// the answer, the record's retention left.
+    async fn claim_in_sql(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        request_id: &str,
+    ) -> Result<(Claim, Duration), StoreError> {
+        let job = NewClaim {
+            key: key.clone(),
+            fingerprint: fingerprint.to_owned(),
+            request_id: request_id.to_owned(),
+            lease: self.settings.lease,
+            retention: self.settings.retention,
+            past_tombstone: false,
+        };
+        if let Some((epoch, expires_at_ms)) = self.claims.submit(job.clone()).await? {
+            let won = Claim::Won {
+                epoch,
+                expires_at_ms,
+                maybe_ran: false,
+            };
+            return Ok((won, job.retention));
+        }
+        match self.sql.claim_existing(&job).await? {
+            Some(answer) => Ok(answer),
+            // Purged or swept between the two statements: start over.
+            None => self
+                .sql
+                .claim(key, fingerprint, request_id, job.lease, job.retention)
+                .await
+                .map(|claim| (claim, Duration::ZERO)),
+        }
+    }
+
+    /// Claims a key whose record answered [`Claim::Expired`], for a
+    /// sender's redelivery (a callback): a provider retries for days, and a
+    /// `410` is not an acknowledgement it understands, so the record is
+    /// taken over and the delivery forwarded again with the same stable
+    /// key, for the upstream's own state check. SQL only: a fast layer never
+    /// holds a record past its retention.
+    pub async fn claim_past_tombstone(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        request_id: &str,
+    ) -> Result<Claim, StoreError> {
+        let job = NewClaim {
+            key: key.clone(),
+            fingerprint: fingerprint.to_owned(),
+            request_id: request_id.to_owned(),
+            lease: self.settings.lease,
+            retention: self.settings.retention,
+            past_tombstone: true,
+        };
+        let bound = self.sql.timeout();
+        let answer = tokio::time::timeout(bound, async {
+            match self.sql.claim_existing(&job).await? {
+                Some((claim, _)) => Ok(claim),
+                None => {
+                    self.sql
+                        .claim(key, fingerprint, request_id, job.lease, job.retention)
+                        .await
+                }
+            }
+        })
+        .await;
+        answer.unwrap_or(Err(StoreError::Timeout {
+            op: "claim",
+            after: bound,
+        }))
+    }
+
+    /// Records the outcome; false when the claim was taken over meanwhile
+    /// (the late write is refused and nothing is cached). `expires_at_ms`
+    /// is the record's, from its claim.
+    pub async fn complete(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        fingerprint: &str,
+        response: &StoredResponse,
+        expires_at_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let started = Instant::now();
+        let lane = if response.body.len() > LARGE_BODY {
+            &self.large_completions
+        } else {
+            &self.completions
+        };
+        let done = lane
+            .submit(Completion {
+                key: key.clone(),
+                epoch,
+                response: response.clone(),
+            })
+            .await?;
+        self.metrics.store_latency.observe(started.elapsed());
+        self.after_completion(key, fingerprint, response, expires_at_ms, done)
+            .await
+    }
+
+    /// Records what reconciliation learned for an `uncertain` record (the
+    /// upstream says the action ran), fenced by that record's epoch.
+    pub async fn complete_reconciled(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        fingerprint: &str,
+        response: &StoredResponse,
+        expires_at_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let done = self.sql.complete_reconciled(key, epoch, response).await?;
+        self.after_completion(key, fingerprint, response, expires_at_ms, done)
+            .await
+    }
+
+    async fn after_completion(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        response: &StoredResponse,
+        expires_at_ms: i64,
+        done: Option<(Duration, bool)>,
+    ) -> Result<bool, StoreError> {
+        let Some((left, watched)) = done else {
+            // Refused by the fence: whatever the fast layer holds for this
+            // key is not ours to keep; SQL decides from here.
+            self.forget(key).await;
+            return Ok(false);
+        };
+        // The fast layer keeps the outcome exactly as long as the record.
+        if let Some(fast) = &self.fast {
+            let entry = FastEntry::Completed {
+                key: key.clone(),
+                fingerprint: fingerprint.to_owned(),
+                response: response.clone(),
+                expires_at_ms,
+            };
+            self.fast("put", fast.put(&entry, left)).await;
+        }
+        if watched {
+            self.announce(key).await;
+        }
+        Ok(true)
+    }
+
+    /// Gives the claim up: the request had no effect upstream.
+    pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        let released = self.sql.release(key, epoch).await?;
+        self.after_settling(key, released).await
+    }
+
+    /// The outcome is unknown: nothing is forwarded for `hold` (a copy may
+    /// still run at the upstream), then the next retry may be.
+    pub async fn mark_uncertain(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+        hold: Duration,
+    ) -> Result<bool, StoreError> {
+        let marked = self.sql.mark_uncertain(key, epoch, hold).await?;
+        self.after_settling(key, marked).await
+    }
+
+    async fn after_settling(
+        &self,
+        key: &RecordKey,
+        settled: Option<bool>,
+    ) -> Result<bool, StoreError> {
+        self.forget(key).await;
+        if settled == Some(true) {
+            self.announce(key).await;
+        }
+        Ok(settled.is_some())
+    }
+
+    /// Tells this process's and every other instance's waiters that `key`
+    /// settled. Best effort: a waiter that misses it polls.
+    async fn announce(&self, key: &RecordKey) {
+        let token = super::settle::token(key);
+        self.settlements.wake(&token);
+        let announced = match self.channel {
+            Channel::Local => Ok(()),
+            Channel::Postgres => self.sql.announce(&token).await.map_err(|e| e.to_string()),
+            Channel::Redis => match &self.fast {
+                Some(fast) => self
+                    .fast("announce", fast.announce(&token))
+                    .await
+                    .ok_or_else(|| "fast layer failed".to_owned()),
+                None => Ok(()),
+            },
+        };
+        if let Err(e) = announced {
+            tracing::debug!(route = %key.route, key = %key.escaped(), error = %e, layer = "settle", "announcing a settled record failed; waiters elsewhere poll");
+        }
+    }
+
+    /// Registers a waiter of `key` in this process (before it claims
+    /// again, so that no announcement falls between).
+    pub fn watch(&self, key: &RecordKey) -> Watch {
+        self.settlements.watch(key)
+    }
+
+    /// Before `watch` waits: makes sure the record's running attempt is
+    /// flagged in SQL, so that settling it is announced. False when the
+    /// record is not in flight any more: claim again at once.
+    pub async fn flag_watched(&self, key: &RecordKey, watch: &Watch) -> Result<bool, StoreError> {
+        if !watch.take_flag() {
+            return Ok(true);
+        }
+        match self.sql.mark_watched(key).await {
+            Ok(true) => Ok(true),
+            Ok(false) => {
+                // Settled already: every waiter here that trusted this
+                // flag must look again too.
+                self.settlements.wake(&super::settle::token(key));
+                Ok(false)
+            }
+            Err(e) => {
+                watch.clear_flag();
+                Err(e)
+            }
+        }
+    }
+
+    /// Extends the lease of a running claim.
+    pub async fn renew(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
+        self.sql.renew(key, epoch, self.settings.lease).await
+    }
+
+    /// Reads one record from SQL.
+    pub async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.sql.get(key).await
+    }
+
+    /// Every record of `route`/`key` across client scopes.
+    pub async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
+        self.sql.find(route, key).await
+    }
+
+    /// [`Self::find`] for operators, who name a record by the route it was
+    /// used on: a token's record lives under the token namespace
+    /// ([`idemgate::token::TOKEN_RECORDS`]), whatever route used it.
+    pub async fn find_for_operator(
+        &self,
+        route: &str,
+        key: &str,
+    ) -> Result<Vec<Record>, StoreError> {
+        let found = self.sql.find(route, key).await?;
+        if !found.is_empty() {
+            return Ok(found);
+        }
+        self.sql.find(TOKEN_NAMESPACE, key).await
+    }
+
+    /// [`Self::purge`] for operators (see [`Self::find_for_operator`]).
+    pub async fn purge_for_operator(
+        &self,
+        route: &str,
+        key: &str,
+        scope: Option<&str>,
+    ) -> Result<super::sql::Purged, StoreError> {
+        let purged = self.purge(route, key, scope).await?;
+        if purged.removed > 0 || purged.held > 0 {
+            return Ok(purged);
+        }
+        self.purge(TOKEN_NAMESPACE, key, scope).await
+    }
+
+    /// Removes records from SQL and the fast layer, except those held under
+    /// a live lease (see [`super::sql::Purged`]).
+    pub async fn purge(
+        &self,
+        route: &str,
+        key: &str,
+        scope: Option<&str>,
+    ) -> Result<super::sql::Purged, StoreError> {
+        let keys: Vec<RecordKey> = match scope {
+            Some(scope) => vec![RecordKey::new(scope, route, key)],
+            None => self
+                .sql
+                .find(route, key)
+                .await?
+                .into_iter()
+                .map(|r| r.key)
+                .collect(),
+        };
+        let removed = self.sql.purge(route, key, scope).await?;
+        for k in &keys {
+            self.forget(k).await;
+        }
+        Ok(removed)
+    }
+
+    /// Drops whatever the fast layer holds for `key` (SQL answers next).
+    pub async fn forget(&self, key: &RecordKey) {
+        if let Some(fast) = &self.fast {
+            self.fast("remove", fast.remove(key)).await;
+        }
+    }
+
+    /// SQL reachable, and the fast layer's state, for `/readyz`.
+    pub async fn readiness(&self) -> (Result<(), StoreError>, Option<Result<(), String>>) {
+        let sql = self.sql.ping().await;
+        let fast = match &self.fast {
+            None => None,
+            Some(fast) => Some(
+                match tokio::time::timeout(
+                    self.settings
+                        .fast_layer_budget
+                        .max(Duration::from_millis(500)),
+                    fast.ping(),
+                )
+                .await
+                {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("timed out".into()),
+                },
+            ),
+        };
+        (sql, fast)
+    }
+
+    /// The fast layer's kind, for logs and `/readyz`.
+    pub fn fast_layer_name(&self) -> &'static str {
+        match self.fast.as_ref().map(|f| f.layer()) {
+            Some(idemgate_core::metrics::FallbackLayer::Redis) => "redis",
+            Some(idemgate_core::metrics::FallbackLayer::Memory) => "memory",
+            None => "none",
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! Idempotency for axum and tower services: a retried or duplicated request
+//! never makes your handler execute a business action twice.
+//!
+//! See [`Idempotency`] to mount the layers on your own routes. The same
+//! engine runs inside the Idemgate gateway, in front of any HTTP upstream.
+//!
+//! # Layout
+//!
+//! - [`Idempotency`] and [`Builder`]: what every layer of an application
+//!   shares (the store, the sweeper, the claims it holds), and a layer per
+//!   route — key, token or callback.
+//! - [`idempotency`]: the engine (claim → hold → replay), the holder that
+//!   sees a won claim through whatever its client does, and
+//!   [`IdempotencyLayer`], which runs a [`Policy`] and the engine in front of
+//!   an inner service.
+//! - [`token`]: one-time tokens — the `/token` endpoint and the token
+//!   policy.
+//! - [`callback`]: business keys and signatures for callbacks (payment
+//!   notifications, webhooks, pushed messages).
+//!
+//! The record itself is `idemgate-store`'s; what a refusal looks like and
+//! who the client is are `idemgate-core`'s.
+
+#![warn(missing_docs)]
+
+pub mod callback;
+pub mod idempotency;
+mod library;
+pub mod token;
+
+pub use idempotency::{IdempotencyLayer, IdempotencyService, KeyPolicy, Policy};
+pub use library::*;

@@ -1,0 +1,165 @@
+//! `POST /token` and `GET /token`: issue a one-time token.
+
+use std::collections::BTreeSet;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use serde::Serialize;
+use tower::Service;
+
+use super::codec::TokenKeys;
+use idemgate_core::error::{Problem, Reason};
+use idemgate_core::identity::Identity;
+use idemgate_core::request_id::{self, X_REQUEST_ID};
+
+/// The `/token` service.
+#[derive(Clone)]
+pub struct TokenEndpoint {
+    keys: Arc<TokenKeys>,
+    ttl: Duration,
+    identity: Identity,
+    token_routes: Arc<BTreeSet<String>>,
+    limit: Option<Arc<super::IssueLimit>>,
+}
+
+#[derive(Serialize)]
+struct Issued {
+    token: String,
+    expires_at: String,
+    ttl_seconds: u64,
+}
+
+impl TokenEndpoint {
+    /// Issues tokens valid for `ttl`, bindable to any of `token_routes`.
+    pub fn new(
+        keys: Arc<TokenKeys>,
+        ttl: Duration,
+        identity: Identity,
+        token_routes: BTreeSet<String>,
+    ) -> Self {
+        TokenEndpoint {
+            keys,
+            ttl,
+            identity,
+            token_routes: Arc::new(token_routes),
+            limit: None,
+        }
+    }
+
+    /// Limits how many tokens one principal is issued per minute.
+    pub fn with_limit(mut self, limit: Option<Arc<super::IssueLimit>>) -> Self {
+        self.limit = limit;
+        self
+    }
+
+    fn issue(&self, req: &Request<Body>) -> Response<Body> {
+        if req.method() != http::Method::POST && req.method() != http::Method::GET {
+            let mut refused = Problem::new(Reason::MethodNotAllowed)
+                .detail("a token is issued by POST (or GET)")
+                .into_response();
+            refused
+                .headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static("POST, GET"));
+            return refused;
+        }
+        let route = req.uri().query().and_then(|q| {
+            url::form_urlencoded::parse(q.as_bytes())
+                .find(|(k, _)| k == "route")
+                .map(|(_, v)| v.into_owned())
+        });
+        if let Some(route) = &route
+            && !self.token_routes.contains(route)
+        {
+            return Problem::new(Reason::UnknownTokenRoute)
+                .detail(format!(
+                    "?route= names a route with idempotency = \"token\" (known: {})",
+                    self.token_routes
+                        .iter()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+                .into_response();
+        }
+        // The token binds the principal, not the credential's bytes: a
+        // refreshed credential still uses the token.
+        let scope = match self.identity.scope(req.headers()) {
+            Ok(scope) => scope,
+            Err(e) => return Problem::from(&e).into_response(),
+        };
+        if let Some(limit) = &self.limit {
+            // Anonymous clients are told apart by their address.
+            let principal = match req
+                .extensions()
+                .get::<idemgate_core::client_addr::ClientAddr>()
+            {
+                Some(peer) if scope == idemgate_core::identity::ANONYMOUS_SCOPE => {
+                    format!("ip:{}", peer.addr.ip())
+                }
+                _ => scope.clone(),
+            };
+            if let Err(wait) = limit.take(&principal) {
+                return Problem::new(Reason::TokenRateLimited)
+                .detail(
+                    "tokens.issue_per_minute: fetch a token when a form is shown, not in a loop",
+                )
+                .retry_after(wait.as_secs_f64().ceil().max(1.0) as u64)
+                .into_response();
+            }
+        }
+        // Tokens carry whole seconds; rounding the expiry up keeps every
+        // token valid for at least its full ttl (truncating could take up
+        // to a second off it, all of a one-second ttl).
+        let expires_ms = idemgate_store::now_ms() + self.ttl.as_millis() as i64;
+        let expires_at = (expires_ms + 999).div_euclid(1000);
+        let (token, _) = self.keys.issue(route.as_deref(), &scope, expires_at);
+        let expires = time::OffsetDateTime::from_unix_timestamp(expires_at)
+            .ok()
+            .and_then(|t| {
+                t.format(&time::format_description::well_known::Rfc3339)
+                    .ok()
+            })
+            .unwrap_or_default();
+        let body = serde_json::to_vec(&Issued {
+            token,
+            expires_at: expires,
+            ttl_seconds: self.ttl.as_secs(),
+        })
+        .unwrap_or_default();
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = StatusCode::CREATED;
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+            .headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        response
+    }
+}
+
+impl Service<Request<Body>> for TokenEndpoint {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+        // Mounted by itself (the library), the endpoint names its answers
+        // as the gateway's router would.
+        let id = request_id::ensure(req.headers_mut());
+        let mut response = self.issue(&req);
+        response.headers_mut().entry(X_REQUEST_ID).or_insert(id);
+        Box::pin(std::future::ready(Ok(response)))
+    }
+}

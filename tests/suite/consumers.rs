@@ -1,0 +1,792 @@
+//! The MQ link (SPEC §8) against the real brokers: RabbitMQ and NATS
+//! JetStream, real gateways, the demo upstream's `/actions/{name}` — which
+//! executes on every call, so each count below is what the gateway let
+//! through, not what the upstream deduplicated.
+
+use crate::support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use support::brokers::{PrivateNats, PrivateRabbit, Queue, Stream, consumer_toml};
+use support::services::{FaultProxy, Mode, postgres};
+use support::{Http, Stack, dead_port, eventually, executions};
+
+/// One series of `/metrics`.
+async fn metric(stack: &Stack, consumer: &str, outcome: &str) -> u64 {
+    metric_at(&stack.http, &stack.admin("/metrics"), consumer, outcome).await
+}
+
+async fn metric_at(http: &Http, url: &str, consumer: &str, outcome: &str) -> u64 {
+    let text = http.get(url).await.body;
+    let line = format!("idemgate_messages_total{{consumer=\"{consumer}\",outcome=\"{outcome}\"}} ");
+    String::from_utf8_lossy(&text)
+        .lines()
+        .find_map(|l| l.strip_prefix(&line).map(|v| v.trim().parse().unwrap()))
+        .unwrap_or(0)
+}
+
+/// Executions of `action` per forwarded key.
+fn per_key(stack: &Stack, action: &str) -> BTreeMap<String, u64> {
+    stack
+        .upstream
+        .state
+        .stats()
+        .executions
+        .get(action)
+        .cloned()
+        .unwrap_or_default()
+}
+
+async fn arm(stack: &Stack, plan: &'static str) {
+    let answer = stack
+        .http
+        .send(
+            "POST",
+            &format!("{}/faults", stack.upstream.url()),
+            &[],
+            plan,
+        )
+        .await;
+    assert!(answer.status.is_success(), "{answer:?}");
+}
+
+const WAIT: Duration = Duration::from_secs(20);
+
+#[tokio::test]
+async fn amqp_the_same_message_published_100_times_executes_once_and_all_are_acked() {
+    let Some(queue) = Queue::new("amqp_100").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("coupons", "/actions/mq100", "prefetch = 16")).await;
+    for _ in 0..100 {
+        queue
+            .publish(Some("msg-1"), br#"{"coupon":"C1"}"#, &[])
+            .await;
+    }
+    let settled = eventually(WAIT, || async {
+        metric(&stack, "coupons", "forwarded").await + metric(&stack, "coupons", "duplicate").await
+            == 100
+    })
+    .await;
+    assert!(settled, "not every delivery was acknowledged");
+    assert_eq!(executions(&stack, "mq100"), 1);
+    assert_eq!(metric(&stack, "coupons", "forwarded").await, 1);
+    assert_eq!(metric(&stack, "coupons", "duplicate").await, 99);
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    // The upstream saw the stable key, the id, the topic and a count.
+    let keys = per_key(&stack, "mq100");
+    assert!(keys.keys().all(|k| k.starts_with("ig-")), "{keys:?}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn nats_the_same_message_published_100_times_executes_once_and_all_are_acked() {
+    let Some(stream) = Stream::new("nats_100", None).await else {
+        return;
+    };
+    // Keyed by a header, not Nats-Msg-Id: JetStream's own publish window
+    // would drop the copies before they were stored, and prove nothing.
+    let consumer = stream.consumer(
+        "events",
+        "/actions/nats100",
+        r#"business_key = ["msg:header:Event-Id", "msg:topic"]"#,
+    );
+    let stack = Stack::start(&consumer).await;
+    for _ in 0..100 {
+        stream
+            .publish("coupon", &[("Event-Id", "e-1")], br#"{"coupon":"C1"}"#)
+            .await;
+    }
+    let settled = eventually(WAIT, || async {
+        metric(&stack, "events", "forwarded").await + metric(&stack, "events", "duplicate").await
+            == 100
+    })
+    .await;
+    assert!(settled, "not every delivery was acknowledged");
+    assert_eq!(executions(&stack, "nats100"), 1);
+    assert_eq!(metric(&stack, "events", "duplicate").await, 99);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn amqp_an_upstream_500_twice_then_201_is_three_deliveries_and_one_execution() {
+    let Some(queue) = Queue::new("amqp_500s").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/flaky", "max_deliveries = 5")).await;
+    arm(&stack, r#"{"fail_status": 500, "count": 2}"#).await;
+    queue.publish(Some("p-1"), b"{}", &[]).await;
+    let done = eventually(WAIT, || async {
+        metric(&stack, "pay", "forwarded").await == 1
+    })
+    .await;
+    assert!(done, "the message was never delivered");
+    assert_eq!(metric(&stack, "pay", "retried").await, 2);
+    assert_eq!(stack.upstream.state.stats().requests, 3);
+    assert_eq!(executions(&stack, "flaky"), 1);
+    assert_eq!(queue.ready(&queue.dlq()).await, 0);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn amqp_an_upstream_that_always_fails_is_dead_lettered_after_max_deliveries() {
+    let Some(queue) = Queue::new("amqp_dlq").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/down", "max_deliveries = 3")).await;
+    arm(&stack, r#"{"fail_status": 503}"#).await;
+    queue.publish(Some("p-2"), b"{}", &[]).await;
+    let dead = eventually(WAIT, || async {
+        metric(&stack, "pay", "dead_lettered").await == 1
+    })
+    .await;
+    assert!(dead, "never dead-lettered");
+    assert_eq!(stack.upstream.state.stats().requests, 3);
+    assert_eq!(metric(&stack, "pay", "retried").await, 2);
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    let copy = queue.take(&queue.dlq()).await.expect("a dead letter");
+    let headers = copy.delivery.properties.headers().clone().unwrap();
+    let reason = match headers.inner().get("x-idemgate-reason") {
+        Some(lapin::types::AMQPValue::LongString(s)) => {
+            String::from_utf8_lossy(s.as_bytes()).into_owned()
+        }
+        other => panic!("no reason header: {other:?}"),
+    };
+    assert!(reason.contains("failed 3 time"), "{reason}");
+    assert_eq!(
+        copy.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str()),
+        Some("p-2")
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn amqp_messages_without_a_usable_key_are_dead_lettered_and_never_forwarded() {
+    let Some(queue) = Queue::new("amqp_nokey").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/nokey", "")).await;
+    queue.publish(None, b"{}", &[]).await;
+    queue.publish(Some("a\u{0}b"), b"{}", &[]).await;
+    queue.publish(Some(""), b"{}", &[]).await;
+    queue.publish(Some(&"x".repeat(250)), b"{}", &[]).await;
+    let dead = eventually(WAIT, || async {
+        metric(&stack, "pay", "dead_lettered").await == 4
+    })
+    .await;
+    assert!(dead, "not every keyless message was dead-lettered");
+    assert_eq!(stack.upstream.state.stats().requests, 0);
+    assert_eq!(queue.ready(&queue.dlq()).await, 4);
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    stack.shutdown().await;
+}
+
+/// A message is identified by its key, not its bytes: a producer's
+/// re-publish with a new timestamp is a duplicate (acked, not forwarded);
+/// one whose `must_match` field differs is dead-lettered, never forwarded.
+#[tokio::test]
+async fn amqp_a_restamped_message_is_a_duplicate_and_another_amount_a_dead_letter() {
+    let Some(queue) = Queue::new("amqp_restamped").await else {
+        return;
+    };
+    let extra = r#"must_match = ["json:/amount"]"#;
+    let stack = Stack::start(&queue.consumer("pay", "/actions/restamp", extra)).await;
+    for stamp in 1..=3 {
+        let body = format!(r#"{{"amount":100,"sent_at":{stamp}}}"#);
+        queue.publish(Some("pay-1"), body.as_bytes(), &[]).await;
+    }
+    let acked = eventually(WAIT, || async {
+        metric(&stack, "pay", "forwarded").await + metric(&stack, "pay", "duplicate").await == 3
+    })
+    .await;
+    assert!(
+        acked,
+        "the re-stamped copies were not acknowledged as duplicates"
+    );
+    queue
+        .publish(Some("pay-1"), br#"{"amount":999,"sent_at":4}"#, &[])
+        .await;
+    let dead = eventually(WAIT, || async {
+        metric(&stack, "pay", "dead_lettered").await == 1
+    })
+    .await;
+    assert!(
+        dead,
+        "another amount under the same key was not dead-lettered"
+    );
+    assert_eq!(executions(&stack, "restamp"), 1);
+    assert_eq!(queue.ready(&queue.dlq()).await, 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn nats_failures_and_keyless_messages_go_to_the_dlq_subject() {
+    let Some(stream) = Stream::new("nats_dlq", None).await else {
+        return;
+    };
+    let consumer = stream.consumer(
+        "events",
+        "/actions/natsdlq",
+        r#"business_key = ["json:/order"]
+        max_deliveries = 2"#,
+    );
+    let stack = Stack::start(&consumer).await;
+    arm(&stack, r#"{"fail_status": 500}"#).await;
+    stream.publish("a", &[], br#"{"order":"o-1"}"#).await;
+    stream.publish("a", &[], br#"{"no_order":true}"#).await;
+    stream.publish("a", &[], b"not json").await;
+    let dead = eventually(WAIT, || async {
+        metric(&stack, "events", "dead_lettered").await == 3
+    })
+    .await;
+    assert!(dead, "not dead-lettered");
+    assert_eq!(stack.upstream.state.stats().requests, 2);
+    assert_eq!(stream.dead_letters().await, 3);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_private_nats_server_restarted_mid_stream_loses_nothing_and_executes_each_once() {
+    let Some(mut nats) = PrivateNats::start("nats_restart").await else {
+        return;
+    };
+    let url = nats.url();
+    let stream = Stream::new("nats_restart", Some(&url)).await.unwrap();
+    let consumer = stream.consumer(
+        "events",
+        "/actions/restart",
+        r#"business_key = ["msg:header:Event-Id"]"#,
+    );
+    let stack = Stack::start(&consumer).await;
+    for i in 0..40 {
+        let id = format!("e-{i}");
+        stream.publish("x", &[("Event-Id", &id)], b"{}").await;
+    }
+    // Mid-stream: some delivered, the server killed under the consumer.
+    let some = eventually(WAIT, || async { executions(&stack, "restart") >= 5 }).await;
+    assert!(some);
+    nats.restart(Duration::from_millis(500)).await;
+    // The test's own client reconnects by itself; wait until JetStream
+    // answers it again before publishing the rest.
+    let back = eventually(WAIT, || async {
+        stream.js.get_stream(&stream.name).await.is_ok()
+    })
+    .await;
+    assert!(back, "the restarted server never served the stream");
+    for i in 40..60 {
+        let id = format!("e-{i}");
+        stream.publish("x", &[("Event-Id", &id)], b"{}").await;
+    }
+    let all = eventually(Duration::from_secs(40), || async {
+        per_key(&stack, "restart").len() == 60
+    })
+    .await;
+    assert!(
+        all,
+        "only {} of 60 executed",
+        per_key(&stack, "restart").len()
+    );
+    // Give redeliveries of unacked messages time to arrive, then count.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let keys = per_key(&stack, "restart");
+    assert!(keys.values().all(|n| *n == 1), "{keys:?}");
+    assert_eq!(executions(&stack, "restart"), 60);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_amqp_connection_cut_mid_stream_is_reconnected_and_each_message_executes_once() {
+    let Some(queue) = Queue::new("amqp_cut").await else {
+        return;
+    };
+    let broker = FaultProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let source = format!("amqp://guest:guest@127.0.0.1:{}/%2f", broker.port);
+    let consumer = consumer_toml(
+        "pay",
+        &source,
+        &format!("queue = \"{}\"", queue.name),
+        "/actions/cut",
+        "prefetch = 4",
+    );
+    let stack = Stack::start(&consumer).await;
+    for i in 0..30 {
+        queue.publish(Some(&format!("m-{i}")), b"{}", &[]).await;
+    }
+    assert!(eventually(WAIT, || async { executions(&stack, "cut") >= 3 }).await);
+    broker.set(Mode::Refuse);
+    let ready = Http::default();
+    let down = eventually(WAIT, || async {
+        let body = ready.get(&stack.admin("/readyz")).await.json();
+        body["consumers"]["pay"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("disconnected")
+    })
+    .await;
+    assert!(down, "/readyz never reported the lost broker");
+    for i in 30..50 {
+        queue.publish(Some(&format!("m-{i}")), b"{}", &[]).await;
+    }
+    broker.set(Mode::Pass);
+    let all = eventually(Duration::from_secs(30), || async {
+        per_key(&stack, "cut").len() == 50 && queue.ready(&queue.name).await == 0
+    })
+    .await;
+    assert!(all, "only {} of 50 executed", per_key(&stack, "cut").len());
+    let keys = per_key(&stack, "cut");
+    assert!(keys.values().all(|n| *n == 1), "{keys:?}");
+    let body = ready.get(&stack.admin("/readyz")).await.json();
+    assert_eq!(body["consumers"]["pay"], "connected");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn two_gateways_consuming_one_queue_execute_each_message_once() {
+    let Some(queue) = Queue::new("amqp_two").await else {
+        return;
+    };
+    let Some(db) = postgres("two_gateways_consuming_one_queue").await else {
+        return;
+    };
+    let consumer = queue.consumer("pay", "/actions/two", "prefetch = 8");
+    let one = Stack::start_with(&consumer, |c| c.store.database_url = db.clone()).await;
+    // The second gateway forwards to the first's upstream, so one counter
+    // sees every execution.
+    let mut config = support::config(one.upstream.addr, &consumer);
+    config.store.database_url = db.clone();
+    let two = idemgate_gateway::gateway::start(config).await.unwrap();
+    // 100 messages, each published twice: 200 deliveries over two
+    // consumers with their own prefetch windows.
+    for round in 0..2 {
+        for i in 0..100 {
+            queue
+                .publish(
+                    Some(&format!("m-{i}")),
+                    format!("{{\"n\":{i}}}").as_bytes(),
+                    &[],
+                )
+                .await;
+        }
+        let _ = round;
+    }
+    let two_metrics = format!("http://{}/metrics", two.admin_addr);
+    let settled = eventually(Duration::from_secs(30), || async {
+        let mut n = 0;
+        for outcome in ["forwarded", "duplicate"] {
+            n += metric(&one, "pay", outcome).await;
+            n += metric_at(&one.http, &two_metrics, "pay", outcome).await;
+        }
+        n == 200
+    })
+    .await;
+    assert!(settled, "not every delivery was acknowledged");
+    let keys = per_key(&one, "two");
+    assert_eq!(keys.len(), 100);
+    assert!(keys.values().all(|n| *n == 1), "{keys:?}");
+    let second = metric_at(&one.http, &two_metrics, "pay", "forwarded").await
+        + metric_at(&one.http, &two_metrics, "pay", "duplicate").await;
+    assert!(second > 0, "the second gateway consumed nothing");
+    two.shutdown().await;
+    one.shutdown().await;
+}
+
+#[tokio::test]
+async fn postgres_unreachable_nothing_is_forwarded_and_messages_are_delivered_once_after() {
+    let Some(queue) = Queue::new("amqp_pgdown").await else {
+        return;
+    };
+    let Some(db) = postgres("postgres_unreachable_consumer").await else {
+        return;
+    };
+    let pg = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let via_proxy = db.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", pg.port));
+    let consumer = queue.consumer("pay", "/actions/pgdown", "");
+    let stack = Stack::start_with(&consumer, |c| {
+        c.store.database_url = via_proxy.clone();
+        c.store.timeout = "500ms".into();
+        c.store.lease = "2s".into();
+    })
+    .await;
+    pg.set(Mode::Refuse);
+    for i in 0..5 {
+        queue.publish(Some(&format!("m-{i}")), b"{}", &[]).await;
+    }
+    // Well past several retry delays: each delivery met the closed store.
+    let retried = eventually(WAIT, || async {
+        metric(&stack, "pay", "retried").await >= 10
+    })
+    .await;
+    assert!(
+        retried,
+        "deliveries were not retried while the store was down"
+    );
+    assert_eq!(stack.upstream.state.stats().requests, 0);
+    assert_eq!(metric(&stack, "pay", "dead_lettered").await, 0);
+    pg.set(Mode::Pass);
+    let all = eventually(Duration::from_secs(30), || async {
+        per_key(&stack, "pgdown").len() == 5 && metric(&stack, "pay", "forwarded").await == 5
+    })
+    .await;
+    assert!(all, "messages were not delivered once the store returned");
+    assert_eq!(executions(&stack, "pgdown"), 5);
+    assert_eq!(queue.ready(&queue.dlq()).await, 0);
+    stack.shutdown().await;
+}
+
+/// Deliveries waiting in process (the store away) when the broker
+/// connection drops can only fail to ack: they stop waiting with their
+/// session, and only the new session's copies wait (before: both, for up
+/// to five minutes, a pile that grew with every reconnect).
+#[tokio::test]
+async fn a_session_that_ends_takes_its_waiting_deliveries_with_it() {
+    let Some(queue) = Queue::new("amqp_session_end").await else {
+        return;
+    };
+    let Some(db) = postgres("a_session_that_ends_takes_its_waiting_deliveries_with_it").await
+    else {
+        return;
+    };
+    let pg = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let via_proxy = db.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", pg.port));
+    let broker = FaultProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let source = format!("amqp://guest:guest@127.0.0.1:{}/%2f", broker.port);
+    let consumer = consumer_toml(
+        "pay",
+        &source,
+        &format!("queue = \"{}\"", queue.name),
+        "/actions/session",
+        "",
+    );
+    let stack = Stack::start_with(&consumer, |c| {
+        c.store.database_url = via_proxy.clone();
+        c.store.timeout = "500ms".into();
+    })
+    .await;
+    pg.set(Mode::Refuse);
+    for i in 0..5 {
+        queue.publish(Some(&format!("s-{i}")), b"{}", &[]).await;
+    }
+    let waiting = || async {
+        let text = stack.http.get(&stack.admin("/metrics")).await.body;
+        let line = "idemgate_messages_waiting{consumer=\"pay\"} ";
+        String::from_utf8_lossy(&text)
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(line)
+                    .map(|v| v.trim().parse::<u64>().unwrap())
+            })
+            .unwrap_or(0)
+    };
+    assert!(eventually(WAIT, || async { waiting().await == 5 }).await);
+    // The broker connection drops and comes back: the five are delivered
+    // again to the new session, and wait there.
+    broker.set(Mode::Refuse);
+    let ready = Http::default();
+    let state = || async {
+        ready.get(&stack.admin("/readyz")).await.json()["consumers"]["pay"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    };
+    assert!(eventually(WAIT, || async { state().await.starts_with("disconnected") }).await);
+    broker.set(Mode::Pass);
+    assert!(eventually(WAIT, || async { state().await == "connected" }).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut most = 0;
+    for _ in 0..10 {
+        most = most.max(waiting().await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(most <= 5, "{most} deliveries waiting for 5 messages");
+    pg.set(Mode::Pass);
+    let all = eventually(Duration::from_secs(30), || async {
+        per_key(&stack, "session").len() == 5
+    })
+    .await;
+    assert!(all);
+    assert!(per_key(&stack, "session").values().all(|n| *n == 1));
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_gateway_killed_after_recording_and_before_its_ack_is_not_executed_again() {
+    let Some(queue) = Queue::new("amqp_kill").await else {
+        return;
+    };
+    let upstream = idemgate_demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let broker = FaultProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (public, admin) = (dead_port(), dead_port());
+    let consumer = consumer_toml(
+        "pay",
+        &format!("amqp://guest:guest@127.0.0.1:{}/%2f", broker.port),
+        &format!("queue = \"{}\"", queue.name),
+        "/actions/kill",
+        r#"business_key = ["msg:message_id"]"#,
+    );
+    let text = format!(
+        r#"
+        [server]
+        listen = "127.0.0.1:{public}"
+        admin_listen = "127.0.0.1:{admin}"
+        [store]
+        database_url = "sqlite://{}/records.db"
+        [[upstreams]]
+        name = "demo"
+        url = "http://{}"
+        timeout = "5s"
+        {consumer}
+        "#,
+        dir.path().display(),
+        upstream.addr
+    );
+    let path = dir.path().join("idemgate.toml");
+    std::fs::write(&path, text).unwrap();
+    let http = Http::default();
+    // The upstream executes at once and then stalls its body: the outcome
+    // arrives 1.5 s after the action ran.
+    let armed = http
+        .send(
+            "POST",
+            &format!("{}/faults", upstream.url()),
+            &[],
+            r#"{"stall_body_ms": 1500, "count": 1}"#,
+        )
+        .await;
+    assert!(armed.status.is_success());
+    let mut gateway = support::spawn_gateway(&path);
+    support::wait_up(&http, &format!("http://127.0.0.1:{admin}/healthz")).await;
+    queue.publish(Some("kill-1"), b"{}", &[]).await;
+    let ran = eventually(WAIT, || async {
+        upstream.state.stats().total_executions == 1
+    })
+    .await;
+    assert!(ran);
+    // The broker connection goes while the body is still coming: the ack
+    // that follows the record cannot reach the broker.
+    broker.set(Mode::Refuse);
+    let record = format!("http://127.0.0.1:{admin}/admin/keys/pay/kill-1");
+    let recorded = eventually(WAIT, || async {
+        let answer = http.get(&record).await;
+        answer.status.is_success() && answer.json()["records"][0]["state"] == "completed"
+    })
+    .await;
+    assert!(recorded, "the outcome was never recorded");
+    gateway.kill().unwrap();
+    gateway.wait().unwrap();
+    broker.set(Mode::Pass);
+    // The message is still in the queue (never acknowledged); the
+    // restarted gateway is delivered it again and acknowledges the repeat.
+    let mut restarted = support::spawn_gateway(&path);
+    // A new client: the old one's kept connection died with the process.
+    let http = Http::default();
+    support::wait_up(&http, &format!("http://127.0.0.1:{admin}/healthz")).await;
+    let metrics = format!("http://127.0.0.1:{admin}/metrics");
+    let acked = eventually(WAIT, || async {
+        metric_at(&http, &metrics, "pay", "duplicate").await == 1
+    })
+    .await;
+    assert!(acked, "the redelivery was not acknowledged as a duplicate");
+    assert_eq!(upstream.state.stats().total_executions, 1);
+    assert_eq!(metric_at(&http, &metrics, "pay", "forwarded").await, 0);
+    assert!(eventually(WAIT, || async { queue.ready(&queue.name).await == 0 }).await);
+    restarted.kill().unwrap();
+    restarted.wait().unwrap();
+    upstream.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_shutdown_finishes_and_acknowledges_the_message_in_flight() {
+    let Some(queue) = Queue::new("amqp_stop").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/stop", "")).await;
+    arm(&stack, r#"{"delay_ms": 800, "count": 1}"#).await;
+    queue.publish(Some("s-1"), b"{}", &[]).await;
+    let at_upstream = eventually(WAIT, || async {
+        stack.upstream.state.stats().requests == 1
+    })
+    .await;
+    assert!(at_upstream);
+    let metrics = stack.gateway.metrics.clone();
+    stack.gateway.shutdown().await;
+    // Finished within the grace, recorded and acknowledged: nothing left
+    // for the broker to deliver again.
+    assert_eq!(
+        metrics
+            .consumer("pay")
+            .get(idemgate_core::metrics::MessageOutcome::Forwarded),
+        1
+    );
+    assert_eq!(executions_in(&stack.upstream, "stop"), 1);
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    stack.upstream.shutdown().await;
+}
+
+fn executions_in(upstream: &idemgate_demo_upstream::DemoUpstream, action: &str) -> u64 {
+    upstream
+        .state
+        .stats()
+        .executions
+        .get(action)
+        .map_or(0, |keys| keys.values().sum())
+}
+
+#[tokio::test]
+async fn a_dead_letter_the_broker_cannot_route_is_kept_and_never_forwarded_again() {
+    let Some(queue) = Queue::new("amqp_dlq_gone").await else {
+        return;
+    };
+    let dlq = format!("{}.parked", queue.name);
+    let stack = Stack::start(&queue.consumer(
+        "pay",
+        "/actions/gone",
+        &format!("dead_letter = \"{dlq}\"\n        max_deliveries = 1"),
+    ))
+    .await;
+    assert!(
+        eventually(WAIT, || async {
+            queue.exists(&dlq).await && queue.ready(&dlq).await == 0
+        })
+        .await
+    );
+    // The dead-letter queue disappears under the running consumer.
+    queue.delete(&dlq).await;
+    arm(&stack, r#"{"fail_status": 500}"#).await;
+    queue.publish(Some("g-1"), b"{}", &[]).await;
+    let refused = eventually(WAIT, || async { metric(&stack, "pay", "error").await >= 2 }).await;
+    assert!(refused, "the unroutable dead letter was not reported");
+    assert_eq!(metric(&stack, "pay", "dead_lettered").await, 0);
+    // One upstream attempt; every later delivery goes for the dead
+    // letters again, not upstream.
+    assert_eq!(stack.upstream.state.stats().requests, 1);
+    queue.declare(&dlq).await;
+    let parked = eventually(WAIT, || async { queue.ready(&dlq).await == 1 }).await;
+    assert!(
+        parked,
+        "the dead letter never reached the queue once it existed"
+    );
+    assert_eq!(stack.upstream.state.stats().requests, 1);
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stream_that_captures_its_own_dead_letter_subject_is_refused_by_name() {
+    let Some(stream) = Stream::new("nats_own_dlq", None).await else {
+        return;
+    };
+    // The source stream captures `<lower>.in.>`: a dead_letter inside it
+    // would come back to the consumer forever.
+    let inside = stream.subject("dead");
+    let stack = Stack::start(&stream.consumer(
+        "events",
+        "/actions/own",
+        &format!("dead_letter = \"{inside}\""),
+    ))
+    .await;
+    let refused = eventually(WAIT, || async {
+        let body = stack.http.get(&stack.admin("/readyz")).await.json();
+        body["consumers"]["events"]
+            .as_str()
+            .unwrap_or("")
+            .contains("captures its own dead-letter subject")
+    })
+    .await;
+    assert!(
+        refused,
+        "the overlapping dead-letter subject was not reported"
+    );
+    stream.publish("x", &[], b"{}").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(stack.upstream.state.stats().requests, 0);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_store_outage_longer_than_the_lease_does_not_forward_a_message_twice() {
+    let Some(queue) = Queue::new("amqp_long_outage").await else {
+        return;
+    };
+    let Some(db) = postgres("a_store_outage_longer_than_the_lease").await else {
+        return;
+    };
+    let pg = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let via_proxy = db.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", pg.port));
+    let stack = Stack::start_with(&queue.consumer("pay", "/actions/outage", ""), |c| {
+        c.store.database_url = via_proxy.clone();
+        c.store.timeout = "300ms".into();
+        c.store.lease = "1s".into();
+    })
+    .await;
+    // The upstream takes 600 ms; the store goes away while it works and
+    // stays away for three leases.
+    arm(&stack, r#"{"delay_ms": 600, "count": 1}"#).await;
+    queue.publish(Some("o-1"), b"{}", &[]).await;
+    assert!(
+        eventually(WAIT, || async {
+            stack.upstream.state.stats().requests == 1
+        })
+        .await
+    );
+    pg.set(Mode::Refuse);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    pg.set(Mode::Pass);
+    let acked = eventually(WAIT, || async {
+        metric(&stack, "pay", "forwarded").await + metric(&stack, "pay", "duplicate").await == 1
+    })
+    .await;
+    assert!(acked, "the message was never acknowledged");
+    // The holder had the answer; the redeliveries waited for it instead of
+    // taking the expired claim over and forwarding again.
+    assert_eq!(executions(&stack, "outage"), 1);
+    assert_eq!(stack.upstream.state.stats().requests, 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_private_rabbitmq_node_restarted_mid_stream_loses_nothing_and_executes_each_once() {
+    let test = "rabbit_restart";
+    let Some(mut rabbit) = PrivateRabbit::start(test).await else {
+        return;
+    };
+    let url = rabbit.url();
+    let queue = Queue::open(test, &url, "restart.q").await.unwrap();
+    let consumer = consumer_toml(
+        "pay",
+        &url,
+        "queue = \"restart.q\"",
+        "/actions/rrestart",
+        "prefetch = 4",
+    );
+    let stack = Stack::start(&consumer).await;
+    for i in 0..40 {
+        queue.publish(Some(&format!("m-{i}")), b"{}", &[]).await;
+    }
+    assert!(eventually(WAIT, || async { executions(&stack, "rrestart") >= 5 }).await);
+    rabbit.restart().await;
+    // Unacknowledged and unconsumed messages come back with the node; the
+    // consumer reconnects by itself.
+    let queue = Queue::open(test, &url, "restart.q").await.unwrap();
+    for i in 40..60 {
+        queue.publish(Some(&format!("m-{i}")), b"{}", &[]).await;
+    }
+    let all = eventually(Duration::from_secs(60), || async {
+        per_key(&stack, "rrestart").len() == 60 && queue.ready("restart.q").await == 0
+    })
+    .await;
+    assert!(
+        all,
+        "only {} of 60 executed",
+        per_key(&stack, "rrestart").len()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let keys = per_key(&stack, "rrestart");
+    assert!(keys.values().all(|n| *n == 1), "{keys:?}");
+    stack.shutdown().await;
+}
