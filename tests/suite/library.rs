@@ -1,4 +1,4 @@
-//! The library (SPEC §6): `examples/orders.rs`, an axum app mounting the
+//! The library: `crates/idemgate/examples/orders.rs`, an axum app mounting the
 //! key, token and callback layers on its own handlers, started as a real
 //! process and driven over HTTP. Its handlers count every execution.
 
@@ -188,4 +188,384 @@ async fn an_axum_app_with_the_three_layers_executes_each_action_once() {
     assert_eq!(counts["orders"], 2, "{counts}");
     assert_eq!(counts["checkouts"], 1, "{counts}");
     assert_eq!(counts["payments"], 1, "{counts}");
+}
+
+// === the library beside an application's own schema and lifetime ===
+
+use axum::body::Body;
+use http::{Request, StatusCode};
+use idemgate::{Idempotency, OnConcurrent, Signature};
+use sqlx::migrate::Migrator;
+use tower::ServiceExt;
+
+fn app_migrations() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/suite/fixtures/app_migrations")
+}
+
+/// A counting handler behind `layer`, as an axum router.
+fn counted<P: idemgate::Policy>(
+    layer: idemgate::IdempotencyLayer<P>,
+    calls: std::sync::Arc<std::sync::atomic::AtomicU32>,
+) -> axum::Router {
+    axum::Router::new().route(
+        "/orders",
+        axum::routing::post(move || {
+            let calls = calls.clone();
+            async move {
+                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                (StatusCode::CREATED, "ord_1")
+            }
+        })
+        .route_layer(layer),
+    )
+}
+
+fn order(key: &str) -> Request<Body> {
+    Request::post("/orders")
+        .header("idempotency-key", key)
+        .body(Body::from("{}"))
+        .unwrap()
+}
+
+/// Idemgate's migrations and the application's own sqlx migrations run on
+/// one database in either order, each recorded in its own table: neither
+/// side finds the other's versions ("previously applied but missing").
+#[tokio::test]
+async fn the_librarys_migrations_never_meet_the_applications_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/app.db?mode=rwc", dir.path().display());
+    let app = Migrator::new(app_migrations()).await.unwrap();
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    // The application first, then Idemgate, then the application again
+    // (its next deploy), then Idemgate again.
+    app.run(&pool).await.unwrap();
+    let idempotency = Idempotency::builder()
+        .database_url(&url)
+        .build()
+        .await
+        .unwrap();
+    app.run(&pool)
+        .await
+        .expect("the app's migrator after Idemgate's");
+    drop(idempotency);
+    Idempotency::builder()
+        .database_url(&url)
+        .build()
+        .await
+        .unwrap();
+    let ours: Vec<(i64,)> =
+        sqlx::query_as("SELECT version FROM _idemgate_migrations ORDER BY version")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(ours, vec![(1,), (2,), (3,)]);
+    let theirs: Vec<(i64,)> =
+        sqlx::query_as("SELECT version FROM _sqlx_migrations ORDER BY version")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(theirs, vec![(20240101000000,), (20240102000000,)]);
+}
+
+/// A database an earlier release migrated through `_sqlx_migrations`
+/// (Idemgate's rows beside the application's) is adopted once: Idemgate's
+/// rows move to its own table, nothing is applied twice, and the
+/// application's migrator then finds only its own rows.
+#[tokio::test]
+async fn rows_an_earlier_release_left_in_the_shared_table_are_adopted() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/old.db?mode=rwc", dir.path().display());
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    // What the earlier release did: its migrations, recorded by sqlx's
+    // default migrator in the shared table.
+    let store_migrations = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("crates/idemgate-store/migrations/sqlite");
+    let mut old = Migrator::new(store_migrations).await.unwrap();
+    old.set_ignore_missing(true);
+    old.run(&pool).await.unwrap();
+    let mut app = Migrator::new(app_migrations()).await.unwrap();
+    app.set_ignore_missing(true);
+    app.run(&pool).await.unwrap();
+    // The upgrade: the store opens (SQLite's ALTER TABLE ADD COLUMN would
+    // fail if its migration 3 ran a second time).
+    Idempotency::builder()
+        .database_url(&url)
+        .build()
+        .await
+        .unwrap();
+    let app = Migrator::new(app_migrations()).await.unwrap();
+    app.run(&pool)
+        .await
+        .expect("only the app's rows are left in _sqlx_migrations");
+    let ours: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM _idemgate_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ours.0, 3);
+}
+
+/// On Postgres, `schema` keeps Idemgate's tables and its migrations table
+/// in a schema of their own.
+#[tokio::test]
+async fn a_postgres_schema_of_its_own_holds_every_table() {
+    let test = "a_postgres_schema_of_its_own_holds_every_table";
+    let Some(url) = support::services::postgres(test).await else {
+        return;
+    };
+    let schema = format!("ig_lib_{}", std::process::id());
+    let idempotency = Idempotency::builder()
+        .database_url(&url)
+        .schema(&schema)
+        .build()
+        .await
+        .unwrap();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let app = counted(idempotency.key_layer("orders"), calls.clone());
+    for _ in 0..2 {
+        let answer = app.clone().oneshot(order("pg-1")).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::CREATED);
+    }
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let tables: Vec<(String,)> = sqlx::query_as(
+        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1 ORDER BY 1",
+    )
+    .bind(&schema)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let tables: Vec<&str> = tables.iter().map(|t| t.0.as_str()).collect();
+    for table in [
+        "_idemgate_migrations",
+        "idempotency_purges",
+        "idempotency_records",
+    ] {
+        assert!(
+            tables.contains(&table),
+            "{table} not in {schema}: {tables:?}"
+        );
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// The common `fn app() -> Router` drops the handle once the layers are
+/// mounted: the sweeper lives as long as a layer does, and retires the
+/// expired record.
+#[tokio::test]
+async fn the_sweeper_lives_as_long_as_any_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/sweep.db?mode=rwc", dir.path().display());
+    let app = {
+        let idempotency = Idempotency::builder()
+            .database_url(&url)
+            .retention(Duration::from_millis(300))
+            .sweep_interval(Duration::from_millis(100))
+            .build()
+            .await
+            .unwrap();
+        counted(idempotency.key_layer("orders"), Default::default())
+        // The handle is dropped here.
+    };
+    assert_eq!(
+        app.clone().oneshot(order("s-1")).await.unwrap().status(),
+        201
+    );
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let count = async || -> i64 {
+        sqlx::query_as::<_, (i64,)>("SELECT COUNT(*) FROM idempotency_records")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            .0
+    };
+    assert_eq!(count().await, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while count().await != 0 {
+        assert!(std::time::Instant::now() < deadline, "never swept");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(app);
+}
+
+/// What a library user sees on the wire: every answer names its request
+/// (`X-Request-Id`, the client's own kept), `/token` takes POST and GET
+/// only, `on_concurrent = wait` shares the first answer, and a handler past
+/// its deadline is a 504 that says "handler", not "upstream".
+#[tokio::test]
+async fn library_answers_name_their_request_and_say_what_timed_out() {
+    let idempotency = Idempotency::builder()
+        .database_url("sqlite::memory:")
+        .handler_deadline(Duration::from_millis(300))
+        .on_concurrent(OnConcurrent::Wait)
+        .build()
+        .await
+        .unwrap();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counted_calls = calls.clone();
+    let app = axum::Router::new()
+        .route(
+            "/orders",
+            axum::routing::post(move |body: String| {
+                let calls = counted_calls.clone();
+                async move {
+                    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let ms = body.trim().parse().unwrap_or(0);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    (StatusCode::CREATED, "ord")
+                }
+            })
+            .route_layer(idempotency.key_layer("orders")),
+        )
+        .route_service("/token", idempotency.token_endpoint(&["checkout"]));
+    let post = |key: &str, ms: &str| {
+        Request::post("/orders")
+            .header("idempotency-key", key)
+            .body(Body::from(ms.to_owned()))
+            .unwrap()
+    };
+    let first = app.clone().oneshot(post("w-1", "150")).await.unwrap();
+    let id = first.headers()["x-request-id"].clone();
+    assert_eq!(id.len(), 36, "a UUID: {id:?}");
+    let mut kept = post("w-1", "150");
+    kept.headers_mut()
+        .insert("x-request-id", "client-7".parse().unwrap());
+    let replay = app.clone().oneshot(kept).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        replay.headers()["x-request-id"],
+        id,
+        "the executing request's id"
+    );
+    // Two at once with `wait`: one execution, both 201.
+    let (a, b) = tokio::join!(
+        app.clone().oneshot(post("w-2", "150")),
+        app.clone().oneshot(post("w-2", "150"))
+    );
+    assert_eq!(
+        (a.unwrap().status(), b.unwrap().status()),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    // Past the deadline.
+    let late = app.clone().oneshot(post("w-3", "1000")).await.unwrap();
+    assert_eq!(late.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert!(late.headers().contains_key("x-request-id"));
+    let body = axum::body::to_bytes(late.into_body(), 10_000)
+        .await
+        .unwrap();
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        problem["type"], "urn:idemgate:problem:handler-timeout",
+        "{problem}"
+    );
+    assert!(
+        problem["title"].as_str().unwrap().contains("handler"),
+        "{problem}"
+    );
+    // /token.
+    for (method, status) in [("POST", 201), ("GET", 201), ("PUT", 405), ("DELETE", 405)] {
+        let answer = app
+            .clone()
+            .oneshot(
+                Request::builder()
+                    .method(method)
+                    .uri("/token")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(answer.status().as_u16(), status, "{method}");
+        assert!(answer.headers().contains_key("x-request-id"), "{method}");
+        if status == 405 {
+            assert_eq!(answer.headers()["allow"], "POST, GET");
+        }
+    }
+}
+
+/// A library callback route can check signatures: a forged delivery is
+/// 401 and leaves no record; a signed one executes once. A header-sourced
+/// key on a signed route, and a signature without secrets, are refused
+/// when the layer is built.
+#[tokio::test]
+async fn a_library_callback_checks_its_signature_before_anything_is_stored() {
+    use idemgate::CallbackError;
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let idempotency = Idempotency::builder()
+        .database_url("sqlite::memory:")
+        .build()
+        .await
+        .unwrap();
+    let refused = idempotency
+        .callback("pay")
+        .business_key(&["header:x-trade"])
+        .signature(Signature::standard_webhooks(&[secret]))
+        .build()
+        .err();
+    assert_eq!(
+        refused,
+        Some(CallbackError::UnsignedSource("header:x-trade".into()))
+    );
+    assert!(matches!(
+        idempotency
+            .callback("pay")
+            .business_key(&["json:/t"])
+            .signature(Signature::stripe(&[]))
+            .build(),
+        Err(CallbackError::Signature(_))
+    ));
+    assert_eq!(
+        idempotency.callback("pay").build().err(),
+        Some(CallbackError::NoBusinessKey)
+    );
+    let layer = idempotency
+        .callback("pay")
+        .business_key(&["json:/trade_no"])
+        .must_match(&["json:/amount"])
+        .signature(Signature::standard_webhooks(&[secret]))
+        .build()
+        .unwrap();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let app = counted(layer, calls.clone());
+    let body = r#"{"trade_no":"T-9","amount":5}"#;
+    let delivery = |signature: String| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let signature = if signature.is_empty() {
+            idemgate::callback::signature::sign_standard(
+                &base64::Engine::decode(
+                    &base64::engine::general_purpose::STANDARD,
+                    secret.trim_start_matches("whsec_"),
+                )
+                .unwrap(),
+                "msg_1",
+                now,
+                body.as_bytes(),
+            )
+        } else {
+            signature
+        };
+        Request::post("/orders")
+            .header("webhook-id", "msg_1")
+            .header("webhook-timestamp", now.to_string())
+            .header("webhook-signature", signature)
+            .body(Body::from(body))
+            .unwrap()
+    };
+    let forged = app
+        .clone()
+        .oneshot(delivery("v1,Zm9yZ2Vk".into()))
+        .await
+        .unwrap();
+    assert_eq!(forged.status(), StatusCode::UNAUTHORIZED);
+    for _ in 0..2 {
+        let signed = app.clone().oneshot(delivery(String::new())).await.unwrap();
+        assert_eq!(signed.status(), StatusCode::CREATED);
+    }
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
 }

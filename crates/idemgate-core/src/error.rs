@@ -270,7 +270,10 @@ mod tests {
         assert_eq!(slugs.len(), count, "a slug names two reasons");
         for reason in Reason::ALL {
             let status = reason.status();
-            assert!(status.is_client_error() || status.is_server_error(), "{reason}");
+            assert!(
+                status.is_client_error() || status.is_server_error(),
+                "{reason}"
+            );
             assert!(!reason.title().is_empty());
         }
     }

@@ -28,5 +28,14 @@ pub mod idempotency;
 mod library;
 pub mod token;
 
-pub use idempotency::{IdempotencyLayer, IdempotencyService, KeyPolicy, Policy};
-pub use library::*;
+pub use callback::CallbackPolicy;
+pub use idemgate_store::StoreError;
+pub use idempotency::{
+    Answer, IdempotencyLayer, IdempotencyService, KeyPolicy, OnConcurrent, Policy, Verdict,
+};
+pub use library::{
+    Builder, CallbackBuilder, CallbackError, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HANDLER_DEADLINE,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_CLAIMS,
+    DEFAULT_SIGNATURE_TOLERANCE, DEFAULT_TOKEN_TTL, Idempotency, Signature,
+};
+pub use token::{TokenEndpoint, TokenPolicy};

@@ -57,10 +57,10 @@ use crate::idempotency::body::BodyBudget;
 use crate::idempotency::{Engine, EngineSettings, Holders};
 use crate::token::TokenKeys;
 
-pub use crate::callback::CallbackPolicy;
-pub(crate) use crate::idempotency::{IdempotencyLayer, KeyPolicy, OnConcurrent};
-pub use crate::token::{TokenEndpoint, TokenPolicy};
-pub use idemgate_store::StoreError;
+use crate::callback::CallbackPolicy;
+use crate::idempotency::{IdempotencyLayer, KeyPolicy, OnConcurrent};
+use crate::token::{TokenEndpoint, TokenPolicy};
+use idemgate_store::StoreError;
 
 /// The default bound on a handler's whole answer.
 pub const DEFAULT_HANDLER_DEADLINE: Duration = Duration::from_secs(10);
