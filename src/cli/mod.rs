@@ -68,23 +68,27 @@ pub fn idemgate() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
     let command = cli.command.unwrap_or(Command::Serve);
-    let config = match Config::load(&cli.config) {
-        Ok(config) => config,
+    let plan = match Config::load(&cli.config) {
+        Ok(plan) => plan,
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(2);
         }
     };
+    if let Command::Serve = command {
+        return run_to_exit("idemgate", async {
+            idemgate_gateway::gateway::run(plan)
+                .await
+                .map_err(|e| e.to_string())
+        });
+    }
+    let config = plan.config;
     match command {
+        Command::Serve => unreachable!("served above"),
         Command::CheckConfig => {
             check_config::print(&config);
             ExitCode::SUCCESS
         }
-        Command::Serve => run_to_exit("idemgate", async {
-            idemgate_gateway::gateway::run(config)
-                .await
-                .map_err(|e| e.to_string())
-        }),
         Command::Demo => run_to_exit("idemgate", async {
             crate::demo::run(config).await.map_err(|e| e.to_string())
         }),

@@ -24,8 +24,10 @@ pub use crate::router::{PathMatch, RouteMatcher};
 
 mod consumer;
 mod options;
+mod plan;
 mod validate;
 pub use consumer::{Broker, ConsumerConfig};
+pub use plan::{Plan, PolicyPlan, RoutePlan};
 
 /// Where `serve`, `demo` and `check-config` look when `--config` is absent.
 pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
@@ -662,7 +664,7 @@ impl ConfigError {
 
 impl Config {
     /// Reads, overrides from the environment, and validates.
-    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    pub fn load(path: &Path) -> Result<Plan, ConfigError> {
         let origin = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             origin: origin.clone(),
@@ -670,8 +672,7 @@ impl Config {
         })?;
         let mut config = Config::parse(&text, &origin)?;
         config.apply_env(|name| std::env::var(name).ok());
-        config.validate(&origin)?;
-        Ok(config)
+        config.validate(&origin)
     }
 
     /// Parses TOML text without validating it.

@@ -51,8 +51,18 @@ pub struct UpstreamSpec<'a> {
 impl Upstream {
     /// From a validated `[[upstreams]]` entry; reads its TLS files.
     pub fn new(u: UpstreamSpec<'_>) -> Result<Upstream, String> {
-        let url = url::Url::parse(u.url).map_err(|e| e.to_string())?;
-        let host = url.host_str().ok_or("no host")?;
+        Self::new_at(u, "upstreams[]").map_err(|(_, reason)| reason)
+    }
+
+    /// The same, its errors naming the configuration key under `prefix`
+    /// (`upstreams[2]`): which file could not be used, and why. The TLS
+    /// files are read here, once.
+    pub fn new_at(u: UpstreamSpec<'_>, prefix: &str) -> Result<Upstream, (String, String)> {
+        let url_key = || format!("{prefix}.url");
+        let url = url::Url::parse(u.url).map_err(|e| (url_key(), e.to_string()))?;
+        let host = url
+            .host_str()
+            .ok_or_else(|| (url_key(), "no host".to_owned()))?;
         let port = url.port_or_known_default().unwrap_or(80);
         let authority = if host.contains(':') {
             format!("[{host}]:{port}")
@@ -61,27 +71,37 @@ impl Upstream {
         };
         let tls = match url.scheme() {
             "https" => {
+                let keys =
+                    ["ca_file", "client_cert", "client_key"].map(|f| format!("{prefix}.{f}"));
                 let files = crate::tls::ClientFiles {
-                    ca_file: u.ca_file.map(|p| ("upstreams[].ca_file", p)),
-                    client_cert: u.client_cert.map(|p| ("upstreams[].client_cert", p)),
-                    client_key: u.client_key.map(|p| ("upstreams[].client_key", p)),
+                    ca_file: u.ca_file.map(|p| (keys[0].as_str(), p)),
+                    client_cert: u.client_cert.map(|p| (keys[1].as_str(), p)),
+                    client_key: u.client_key.map(|p| (keys[2].as_str(), p)),
                 };
-                let config =
-                    crate::tls::client_config(&files, u.http2).map_err(|e| e.to_string())?;
+                let config = crate::tls::client_config(&files, u.http2)
+                    .map_err(|e| (e.key.clone(), e.to_string()))?;
                 let name = ServerName::try_from(host.trim_matches(['[', ']']).to_owned())
-                    .map_err(|e| format!("{host:?} is not a TLS server name: {e}"))?;
+                    .map_err(|e| (url_key(), format!("{host:?} is not a TLS server name: {e}")))?;
                 Some((config, name))
             }
             _ => None,
         };
         Ok(Upstream {
             name: u.name.to_owned(),
-            authority: authority.parse().map_err(|e| format!("{e}"))?,
+            authority: authority.parse().map_err(|e| (url_key(), format!("{e}")))?,
             timeout: u.timeout,
             tls,
             http2: u.http2,
             max_connections: u.max_connections,
         })
+    }
+
+    /// Caps its HTTP/1.1 connections at `cap` when no cap was configured
+    /// (the descriptors' share: see `idemgate_core::limits`).
+    pub fn cap_by_default(&mut self, cap: usize) {
+        if self.max_connections == 0 && !self.http2 {
+            self.max_connections = cap;
+        }
     }
 
     /// A pool of connections to it, uncapped (the MQ consumers', whose

@@ -239,7 +239,7 @@ mod tests {
             "#
         );
         match Config::parse(&text, "t").unwrap().validate("t") {
-            Ok(()) => Vec::new(),
+            Ok(_) => Vec::new(),
             Err(e) => e
                 .problems()
                 .iter()

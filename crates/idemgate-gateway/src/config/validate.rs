@@ -8,8 +8,10 @@ use std::net::SocketAddr;
 use super::*;
 
 impl Config {
-    /// Checks everything serde could not, collecting every problem.
-    pub fn validate(&self, origin: &str) -> Result<(), ConfigError> {
+    /// Checks everything serde could not, collecting every problem, and
+    /// loads what the configuration names (certificates, keys, the JWKS
+    /// file): the [`Plan`] start-up assembles from.
+    pub fn validate(&self, origin: &str) -> Result<Plan, ConfigError> {
         let mut problems = Vec::new();
         let mut add = |key: String, reason: String| problems.push(Problem { key, reason });
 
@@ -154,9 +156,6 @@ impl Config {
         {
             add("identity.jwt.leeway".into(), reason);
         }
-        if let Err((key, reason)) = self.identity.identity() {
-            add(key, reason);
-        }
 
         if !self.tokens.secret.is_empty() && !self.tokens.secrets.is_empty() {
             add(
@@ -191,12 +190,6 @@ impl Config {
                     );
                 }
             }
-            if let Err(reason) = self.server.cors_policy() {
-                add("server.cors".into(), reason);
-            }
-        }
-        if let Err((key, reason)) = check_server_tls(&self.server) {
-            add(key, reason);
         }
 
         let mut upstream_names = BTreeSet::new();
@@ -207,7 +200,7 @@ impl Config {
             } else if !upstream_names.insert(u.name.as_str()) {
                 add(key("name"), format!("duplicate upstream name {:?}", u.name));
             }
-            if let Err(reason) = check_upstream_url(&u.url) {
+            if let Err(reason) = super::plan::check_upstream_url(&u.url) {
                 add(key("url"), reason);
             } else if let Err((field, reason)) = check_upstream_tls(u, &key) {
                 add(field, reason);
@@ -336,14 +329,19 @@ impl Config {
         }
 
         self.check_timing(&mut add);
+        // Read once, here: what start-up uses is what was checked.
+        let loaded = super::plan::load(self, &mut add);
 
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError::Invalid {
+        // A part that cannot be built is often a value checked above as
+        // well: each problem once.
+        let mut seen = BTreeSet::new();
+        problems.retain(|p| seen.insert((p.key.clone(), p.reason.clone())));
+        match loaded {
+            Some(loaded) if problems.is_empty() => Ok(loaded.into_plan(self.clone())),
+            _ => Err(ConfigError::Invalid {
                 origin: origin.to_owned(),
                 problems,
-            })
+            }),
         }
     }
 
@@ -662,24 +660,8 @@ fn check_reconcile_path(r: &RouteConfig, path: &str) -> Result<(), String> {
         .map_err(|e| format!("{path:?} is not a path: {e}"))
 }
 
-fn check_upstream_url(raw: &str) -> Result<(), String> {
-    let url = url::Url::parse(raw).map_err(|e| format!("{raw:?} is not a URL: {e}"))?;
-    if url.scheme() != "http" && url.scheme() != "https" {
-        return Err(format!("{raw:?}: an upstream is http:// or https://"));
-    }
-    if url.host_str().is_none() {
-        return Err(format!("{raw:?} has no host"));
-    }
-    if !(url.path().is_empty() || url.path() == "/") || url.query().is_some() {
-        return Err(format!(
-            "{raw:?}: an upstream URL is scheme, host and port only; request paths are forwarded unchanged"
-        ));
-    }
-    Ok(())
-}
-
-/// An upstream's TLS files: only on `https://`, and each readable and
-/// usable (the certificate chain, the key matching it).
+/// An upstream's TLS files: only on `https://` (they are read with the
+/// upstream, in [`super::plan`]).
 fn check_upstream_tls(
     u: &UpstreamConfig,
     key: &dyn Fn(&str) -> String,
@@ -689,38 +671,16 @@ fn check_upstream_tls(
         ("client_cert", &u.client_cert),
         ("client_key", &u.client_key),
     ];
-    if !u.url.to_ascii_lowercase().starts_with("https://") {
-        return match fields.iter().find(|(_, v)| v.is_some()) {
-            Some((field, _)) => Err((
-                key(field),
-                "only an https:// upstream uses TLS files".into(),
-            )),
-            None => Ok(()),
-        };
-    }
-    let keys = fields.map(|(field, _)| key(field));
-    let files = idemgate_proxy::tls::ClientFiles {
-        ca_file: u.ca_file.as_deref().map(|p| (keys[0].as_str(), p)),
-        client_cert: u.client_cert.as_deref().map(|p| (keys[1].as_str(), p)),
-        client_key: u.client_key.as_deref().map(|p| (keys[2].as_str(), p)),
-    };
-    idemgate_proxy::tls::client_config(&files, u.http2)
-        .map(|_| ())
-        .map_err(|e| (e.key.clone(), e.to_string()))
-}
-
-/// The public listener's certificate and key, loaded as at start-up.
-fn check_server_tls(server: &ServerConfig) -> Result<(), (String, String)> {
-    let Some(tls) = &server.tls else {
+    if u.url.to_ascii_lowercase().starts_with("https://") {
         return Ok(());
-    };
-    idemgate_proxy::tls::server_config(
-        ("server.tls.cert", &tls.cert),
-        ("server.tls.key", &tls.key),
-        server.http2,
-    )
-    .map(|_| ())
-    .map_err(|e| (e.key.clone(), e.to_string()))
+    }
+    match fields.iter().find(|(_, v)| v.is_some()) {
+        Some((field, _)) => Err((
+            key(field),
+            "only an https:// upstream uses TLS files".into(),
+        )),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -890,7 +850,7 @@ mod tests {
     /// The problems validation finds in `text` (none when it is valid).
     fn problems_of(text: &str) -> Vec<Problem> {
         match Config::parse(text, "t").unwrap().validate("t") {
-            Ok(()) => Vec::new(),
+            Ok(_) => Vec::new(),
             Err(e) => e.problems().to_vec(),
         }
     }

@@ -1,0 +1,397 @@
+//! Assembly: from a [`Plan`] (a validated, loaded configuration) to
+//! running listeners, in named phases.
+//!
+//! [`start_plan`] binds both listeners (so tests can pass port 0 and read the real
+//! addresses back), builds one stack per route and spawns the serve loops;
+//! [`run`] is `idemgate serve`: start, wait for SIGTERM/SIGINT, drain.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use std::collections::BTreeSet;
+
+use idemgate::idempotency::Holders;
+use idemgate::token::TokenKeys;
+use idemgate_core::budget::ClaimBudget;
+use idemgate_core::identity::Identity;
+use idemgate_core::metrics::Metrics;
+use idemgate_proxy::Upstream;
+use idemgate_server::{ConnLimits, ShutdownTrigger};
+use idemgate_store::Store;
+use tokio::task::JoinHandle;
+
+use crate::config::{Config, Plan, RoutePlan};
+
+mod consumers;
+mod routes;
+mod workers;
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{key} = {addr:?}: cannot listen: {source}")]
+    Bind {
+        key: &'static str,
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("route {route:?}: {reason}")]
+    Route { route: String, reason: String },
+    #[error("store ({url}): {source}")]
+    Store {
+        url: String,
+        source: idemgate_store::StoreError,
+    },
+    #[error("{0}")]
+    Config(crate::config::ConfigError),
+}
+
+/// A gateway running in this process.
+pub struct RunningGateway {
+    /// Where the public listener is bound.
+    pub public_addr: SocketAddr,
+    /// Where the admin listener is bound.
+    pub admin_addr: SocketAddr,
+    /// This gateway's metrics.
+    pub metrics: Arc<Metrics>,
+    /// This gateway's store.
+    pub store: Store,
+    trigger: ShutdownTrigger,
+    stop_consumers: tokio_util::sync::CancellationToken,
+    consumers: idemgate_mq::Consumers,
+    sweeper: JoinHandle<()>,
+    purge_follower: Option<JoinHandle<()>>,
+    tasks: Vec<JoinHandle<()>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl RunningGateway {
+    /// Stops accepting, lets in-flight requests finish, and returns when
+    /// both listeners have drained (or the grace period ran out).
+    pub async fn shutdown(self) {
+        self.trigger.trigger();
+        // Consumers stop taking messages and finish those in hand within
+        // the grace, while the listeners drain.
+        self.stop_consumers.cancel();
+        self.consumers.join().await;
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        let workers = self.workers;
+        let _ = tokio::task::spawn_blocking(move || {
+            for worker in workers {
+                let _ = worker.join();
+            }
+        })
+        .await;
+        self.sweeper.abort();
+        if let Some(follower) = self.purge_follower {
+            follower.abort();
+        }
+    }
+}
+
+/// Starts the gateway `config` describes, loading what it names (for a
+/// configuration built in code; `idemgate serve` validates first and
+/// starts from the [`Plan`]).
+pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
+    start_plan(Plan::load(config).map_err(StartError::Config)?).await
+}
+
+/// Starts the gateway on the listeners the plan names, in phases: the
+/// admin listener, the store, the shared state, the public listener's
+/// workers, the consumers, and the admin routes.
+///
+/// The public listener is served by `server.worker_threads` threads, each
+/// with a single-threaded event loop, its own handle of one shared
+/// listening socket (whichever worker is free accepts next, and hands the
+/// connection on when it already serves more than its share) and its own
+/// route stacks and upstream connection pool, so a pass-through request
+/// never crosses threads — the cross-thread wake-ups of a shared
+/// work-stealing pool were the largest cost in the pass-through profile.
+/// The store, the admin listener and the sweeper stay on the calling
+/// runtime; each worker opens its own store connections on its own loop
+/// (see [`idemgate_store::open_for_worker`]).
+pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
+    let (admin, admin_addr) = bind(&plan.config.server.admin_listen, "server.admin_listen").await?;
+    let metrics = Arc::new(plan.config.metrics());
+    let records = Records::open(&plan.config, &metrics).await?;
+    let threads = match plan.config.server.worker_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let budgets = descriptor_budgets(&plan.config, threads);
+    metrics.claims_limit.store(
+        budgets.max_claims as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    let shared = Arc::new(Shared::new(plan, &metrics, &records, &budgets, threads));
+    // Built once here so that a bad route fails the start, not a thread.
+    routes::build_router(&shared, &records.store)?;
+    if shared.random_secret && !shared.token_routes.is_empty() {
+        tracing::warn!(
+            "tokens.secret is empty: using a random secret for this process; tokens will not \
+             survive a restart or work across gateway instances (set IDEMGATE_TOKEN_SECRET)"
+        );
+    }
+    let (trigger, signal) = idemgate_server::shutdown_pair();
+    let limits = ConnLimits {
+        header_read_timeout: shared.config.server.header_read_timeout.get(),
+        max_connections: budgets.max_connections.div_ceil(threads),
+        claims_per_connection: budgets.claims_per_connection,
+        shutdown_grace: shared.config.server.shutdown_grace.get(),
+        http2: shared.config.server.http2,
+        tls: shared.server_tls.clone(),
+    };
+    let (public_addr, workers) = match workers::spawn(&shared, limits, &signal, threads).await {
+        Ok(started) => started,
+        Err(e) => {
+            trigger.trigger();
+            return Err(e);
+        }
+    };
+    let stop_consumers = tokio_util::sync::CancellationToken::new();
+    let consumers = idemgate_mq::Consumers::spawn(
+        consumers::build(&shared, &records.store)?,
+        stop_consumers.clone(),
+    );
+    let admin_task = serve_admin(admin, &shared, &records.store, signal);
+    tracing::info!(
+        %public_addr,
+        %admin_addr,
+        routes = shared.config.routes.len(),
+        consumers = shared.config.consumers.len(),
+        workers = threads,
+        sql = records.store.sql().backend(),
+        fast_layer = records.store.fast_layer_name(),
+        "idemgate listening"
+    );
+    Ok(RunningGateway {
+        public_addr,
+        admin_addr,
+        metrics,
+        store: records.store,
+        trigger,
+        stop_consumers,
+        consumers,
+        sweeper: records.sweeper,
+        purge_follower: records.purge_follower,
+        tasks: vec![admin_task],
+        workers,
+    })
+}
+
+/// Binds a listener named by the configuration key `key`.
+async fn bind(
+    addr: &str,
+    key: &'static str,
+) -> Result<(tokio::net::TcpListener, SocketAddr), StartError> {
+    let fail = |source| StartError::Bind {
+        key,
+        addr: addr.to_owned(),
+        source,
+    };
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(fail)?;
+    let local = listener.local_addr().map_err(fail)?;
+    Ok((listener, local))
+}
+
+/// The store and its background work, on the calling runtime.
+struct Records {
+    store: Store,
+    memory: Option<Arc<idemgate_store::memory::MemoryLayer>>,
+    sweeper: JoinHandle<()>,
+    purge_follower: Option<JoinHandle<()>>,
+}
+
+impl Records {
+    async fn open(config: &Config, metrics: &Arc<Metrics>) -> Result<Records, StartError> {
+        let (store, memory) = idemgate_store::open(&config.store.options(), metrics.clone())
+            .await
+            .map_err(|source| StartError::Store {
+                url: redact(&config.store.database_url),
+                source,
+            })?;
+        let sweeper = idemgate_store::sweep::spawn(
+            store.sql().clone(),
+            memory.clone(),
+            config.store.sweep_interval.get(),
+            config.store.archive,
+        );
+        // Purges made elsewhere (the CLI, another instance) reach this
+        // process's in-process fast layer through the purge log.
+        let purge_follower = memory
+            .clone()
+            .map(|memory| idemgate_store::purges::follow(store.sql().clone(), memory));
+        if let Some(memory) = memory.clone() {
+            metrics.gauge(
+                "idemgate_memory_layer_bytes",
+                "Bytes the in-process fast layer holds (store.memory_layer_bytes at most).",
+                move || memory.bytes() as u64,
+            );
+        }
+        Ok(Records {
+            store,
+            memory,
+            sweeper,
+            purge_follower,
+        })
+    }
+}
+
+/// What every worker thread builds its route stacks from.
+struct Shared {
+    config: Config,
+    /// Every route, built.
+    routes: Vec<RoutePlan>,
+    cors: Option<crate::router::CorsPolicy>,
+    /// `[server.tls]`, loaded.
+    server_tls: Option<Arc<rustls::ServerConfig>>,
+    /// Every upstream by name, TLS settings loaded.
+    upstreams: std::collections::HashMap<String, Arc<Upstream>>,
+    metrics: Arc<Metrics>,
+    /// The main runtime's store (admin, sweeper); workers open their own.
+    store: Store,
+    memory: Option<Arc<idemgate_store::memory::MemoryLayer>>,
+    token_keys: Arc<TokenKeys>,
+    /// No token secret was configured: a random one signs.
+    random_secret: bool,
+    token_routes: BTreeSet<String>,
+    workers: usize,
+    /// Every claim this process holds, across workers.
+    holders: Arc<Holders>,
+    /// Who a client is.
+    identity: Identity,
+    /// `tokens.issue_per_minute`, shared by every worker.
+    token_limit: Option<Arc<idemgate::token::IssueLimit>>,
+    /// The process's claims in flight, across workers and consumers.
+    budget: ClaimBudget,
+    /// The process's buffered request bodies.
+    body_budget: idemgate::idempotency::body::BodyBudget,
+}
+
+impl Shared {
+    fn new(
+        plan: Plan,
+        metrics: &Arc<Metrics>,
+        records: &Records,
+        budgets: &idemgate_core::limits::Budgets,
+        workers: usize,
+    ) -> Shared {
+        let token_routes = plan.token_routes();
+        let Plan {
+            config,
+            identity,
+            server_tls,
+            upstreams,
+            routes,
+            cors,
+        } = plan;
+        let (token_keys, random_secret) = TokenKeys::rotating(&config.tokens.secret_list());
+        let upstreams = upstreams
+            .into_iter()
+            .map(|(name, mut upstream)| {
+                // No cap configured: the descriptors' share is the cap.
+                upstream.cap_by_default(budgets.upstream_connections);
+                (name, Arc::new(upstream))
+            })
+            .collect();
+        Shared {
+            routes,
+            cors,
+            server_tls,
+            upstreams,
+            metrics: metrics.clone(),
+            store: records.store.clone(),
+            memory: records.memory.clone(),
+            token_keys: Arc::new(token_keys),
+            random_secret,
+            token_routes,
+            workers,
+            holders: Arc::new(Holders::default()),
+            identity,
+            budget: ClaimBudget::new(budgets.max_claims),
+            body_budget: idemgate::idempotency::body::BodyBudget::new(
+                config.server.max_buffered_bytes,
+            ),
+            // One limit for the process, not one per worker.
+            token_limit: idemgate::token::IssueLimit::per_minute(config.tokens.issue_per_minute)
+                .map(Arc::new),
+            config,
+        }
+    }
+}
+
+/// The admin listener's routes, served until the shutdown signal.
+fn serve_admin(
+    admin: tokio::net::TcpListener,
+    shared: &Shared,
+    store: &Store,
+    mut signal: idemgate_server::ShutdownSignal,
+) -> JoinHandle<()> {
+    let admin_app = crate::admin::router(crate::admin::AdminState {
+        metrics: shared.metrics.clone(),
+        store: store.clone(),
+        identity: shared.identity.clone(),
+    });
+    tokio::spawn(async move {
+        let serving = axum::serve(admin, admin_app)
+            .with_graceful_shutdown(async move { signal.wait().await });
+        if let Err(e) = serving.await {
+            tracing::error!(error = %e, "admin listener failed");
+        }
+    })
+}
+
+/// The descriptor limit (raised to its hard limit first) and the budgets it
+/// allows, said once in the log when it lowers what the file asks for.
+fn descriptor_budgets(config: &Config, workers: usize) -> idemgate_core::limits::Budgets {
+    let limit = idemgate_core::limits::raise_descriptor_limit();
+    // The store's pools, Redis (one per worker and the main runtime), and
+    // each consumer's broker connection and dead-letter channel.
+    let reserve = idemgate_core::limits::BASE_RESERVE
+        + config.store.pool_size as usize * 2
+        + (workers + 1) * 2
+        + config.consumers.len() * 4;
+    let budgets = idemgate_core::limits::budgets(
+        limit,
+        reserve,
+        config.upstreams.len(),
+        config.server.max_connections,
+        config.server.max_claims,
+    );
+    if budgets.max_connections < config.server.max_connections {
+        tracing::warn!(
+            descriptor_limit = ?limit,
+            reserve,
+            max_connections = budgets.max_connections,
+            configured = config.server.max_connections,
+            layer = "server",
+            "the descriptor limit lowers server.max_connections; raise it (ulimit -n, systemd LimitNOFILE) to at least {} for the configured value",
+            config.server.max_connections * 2 + reserve
+        );
+    }
+    tracing::info!(
+        descriptor_limit = ?limit,
+        max_connections = budgets.max_connections,
+        max_claims = budgets.max_claims,
+        claims_per_connection = budgets.claims_per_connection,
+        upstream_connections = budgets.upstream_connections,
+        layer = "server",
+        "budgets"
+    );
+    budgets
+}
+
+/// `idemgate serve`: runs until SIGTERM or SIGINT, then drains.
+pub async fn run(plan: Plan) -> Result<(), StartError> {
+    let gateway = start_plan(plan).await?;
+    idemgate_server::termination().await;
+    tracing::info!("shutting down: no new connections, finishing in-flight requests");
+    gateway.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// A URL without its password, for messages.
+pub use idemgate_core::error::redact_url as redact;

@@ -1,0 +1,133 @@
+//! One tower stack per route — a policy layer over a proxy to the
+//! route's upstream — and the `/token` endpoint, as one worker's router.
+
+use std::sync::Arc;
+
+use idemgate::idempotency::{Engine, EngineSettings, IdempotencyLayer, KeyPolicy, Reconcile};
+use idemgate::token::{TokenEndpoint, TokenPolicy};
+use idemgate_proxy::{Proxy, Upstream};
+use idemgate_store::Store;
+use tower::Layer;
+
+use super::{Shared, StartError};
+use crate::config::{PathMatch, PolicyPlan, RouteMatcher};
+use crate::router::{Route, RouteService, Router, TowerHandler};
+use crate::status_endpoint::StatusEndpoint;
+
+/// One worker's router: a stack per route, each proxy on this worker's own
+/// pool of connections to its upstream, and `/token`.
+pub(super) fn build_router(shared: &Shared, store: &Store) -> Result<Router, StartError> {
+    // One pool per upstream per call: each worker builds its own router,
+    // so connections never leave the thread that drives them.
+    let pools: std::collections::HashMap<&str, (Arc<Upstream>, _)> = shared
+        .upstreams
+        .iter()
+        .map(|(name, upstream)| {
+            let pool = upstream.worker_pool(shared.workers);
+            (name.as_str(), (upstream.clone(), pool))
+        })
+        .collect();
+    let mut routes = Vec::with_capacity(shared.routes.len());
+    for (r, plan) in shared.config.routes.iter().zip(&shared.routes) {
+        let (upstream, pool) =
+            pools
+                .get(r.upstream.as_str())
+                .cloned()
+                .ok_or_else(|| StartError::Route {
+                    route: r.name.clone(),
+                    reason: format!("unknown upstream {:?}", r.upstream),
+                })?;
+        let proxy = Proxy::new(
+            pool,
+            upstream,
+            shared.config.server.max_body_bytes,
+            shared.metrics.upstream(&r.upstream),
+        );
+        routes.push(Route {
+            name: r.name.as_str().into(),
+            matcher: plan.matcher.clone(),
+            service: route_service(shared, store, r, &plan.policy, proxy),
+            counters: shared.metrics.route(&r.name),
+        });
+    }
+    Ok(Router::with_cors(
+        routes,
+        Some(token_route(shared)),
+        shared.cors.clone(),
+    ))
+}
+
+/// A route's stack: its proxy alone, or its policy and the engine in front
+/// of it.
+fn route_service(
+    shared: &Shared,
+    store: &Store,
+    r: &crate::config::RouteConfig,
+    policy: &PolicyPlan,
+    proxy: Proxy,
+) -> RouteService {
+    let upstream = shared.config.upstream(&r.upstream);
+    let reconcile = r
+        .reconcile_path
+        .as_deref()
+        .map(|path| Arc::new(StatusEndpoint::new(proxy.clone(), path)) as Arc<dyn Reconcile>);
+    let engine = || {
+        Engine::new(
+            store.clone(),
+            EngineSettings {
+                route: r.name.as_str().into(),
+                identity: shared.identity.clone(),
+                max_body_bytes: shared.config.server.max_body_bytes,
+                body_read_timeout: shared.config.server.body_read_timeout.get(),
+                max_stored_body_bytes: shared.config.store.max_stored_body_bytes,
+                on_concurrent: r.on_concurrent,
+                wait_limit: upstream.map(|u| u.timeout.get()).unwrap_or_default(),
+                uncertain_hold: upstream.map(|u| u.uncertain_hold()).unwrap_or_default(),
+                reconcile: reconcile.clone(),
+                budget: shared.budget.clone(),
+                body_budget: shared.body_budget.clone(),
+                in_process: false,
+                keep_alive: None,
+            },
+            shared.metrics.clone(),
+            shared.holders.clone(),
+        )
+    };
+    match policy {
+        PolicyPlan::PassThrough => Arc::new(proxy),
+        PolicyPlan::Key { require_key } => Arc::new(TowerHandler(
+            IdempotencyLayer::new(engine(), KeyPolicy::new(*require_key)).layer(proxy),
+        )),
+        PolicyPlan::Token => Arc::new(TowerHandler(
+            IdempotencyLayer::new(
+                engine(),
+                TokenPolicy::new(shared.token_keys.clone(), &r.name),
+            )
+            .layer(proxy),
+        )),
+        PolicyPlan::Callback(policy) => Arc::new(TowerHandler(
+            IdempotencyLayer::new(engine(), policy.clone()).layer(proxy),
+        )),
+    }
+}
+
+/// `/token`, for `GET` and `POST`.
+fn token_route(shared: &Shared) -> Route {
+    Route {
+        name: "token".into(),
+        matcher: RouteMatcher {
+            methods: vec![http::Method::GET, http::Method::POST],
+            path: PathMatch::Exact("/token".into()),
+        },
+        service: Arc::new(TowerHandler(
+            TokenEndpoint::new(
+                shared.token_keys.clone(),
+                shared.config.tokens.ttl.get(),
+                shared.identity.clone(),
+                shared.token_routes.clone(),
+            )
+            .with_limit(shared.token_limit.clone()),
+        )),
+        counters: shared.metrics.route("token"),
+    }
+}
