@@ -31,7 +31,7 @@ thread_local! {
     /// Request ids need uniqueness, not secrecy; a thread-local generator
     /// costs no lock and no system call (the `uuid` crate's shared v7
     /// context was a measurable share of a pass-through request).
-    static RANDOM: Cell<u64> = Cell::new(rand::random::<u64>() | 1);
+    static RANDOM: Cell<u64> = Cell::new(getrandom::u64().unwrap_or(0x9e37_79b9_7f4a_7c15) | 1);
 }
 
 /// A new UUID v7 (RFC 9562 §5.7): 48 bits of Unix milliseconds, then 74

@@ -3,7 +3,6 @@
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use hmac::{Hmac, Mac};
-use rand::RngCore;
 use sha2::Sha256;
 
 const VERSION: &str = "v1";
@@ -55,7 +54,7 @@ impl TokenKeys {
             .collect();
         if secrets.is_empty() {
             let mut random = vec![0u8; 32];
-            rand::rng().fill_bytes(&mut random);
+            getrandom::fill(&mut random).expect("the OS random source");
             (
                 TokenKeys {
                     secrets: vec![random],
@@ -88,7 +87,7 @@ impl TokenKeys {
         expires_at: i64,
     ) -> (String, TokenClaims) {
         let mut id = [0u8; ID_BYTES];
-        rand::rng().fill_bytes(&mut id);
+        getrandom::fill(&mut id).expect("the OS random source");
         let route_bytes = route.unwrap_or_default().as_bytes();
         let mut payload = Vec::with_capacity(ID_BYTES + 8 + 2 + route_bytes.len());
         payload.extend_from_slice(&id);

@@ -119,13 +119,7 @@ impl TokenEndpoint {
         let expires_ms = idemgate_store::now_ms() + self.ttl.as_millis() as i64;
         let expires_at = (expires_ms + 999).div_euclid(1000);
         let (token, _) = self.keys.issue(route.as_deref(), &scope, expires_at);
-        let expires = time::OffsetDateTime::from_unix_timestamp(expires_at)
-            .ok()
-            .and_then(|t| {
-                t.format(&time::format_description::well_known::Rfc3339)
-                    .ok()
-            })
-            .unwrap_or_default();
+        let expires = rfc3339(expires_at);
         let body = serde_json::to_vec(&Issued {
             token,
             expires_at: expires,
@@ -161,5 +155,41 @@ impl Service<Request<Body>> for TokenEndpoint {
         let mut response = self.issue(&req);
         response.headers_mut().entry(X_REQUEST_ID).or_insert(id);
         Box::pin(std::future::ready(Ok(response)))
+    }
+}
+
+/// Unix seconds as an RFC 3339 UTC timestamp (`2026-12-02T08:00:00Z`), by
+/// the proleptic Gregorian calendar (H. Hinnant's `civil_from_days`): all a
+/// token's expiry needs, without a date library.
+fn rfc3339(unix: i64) -> String {
+    let (days, secs) = (unix.div_euclid(86_400), unix.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rfc3339;
+
+    #[test]
+    fn expiries_are_rfc3339_utc() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_212_800), "2026-12-02T12:00:00Z");
+        assert_eq!(rfc3339(4_107_542_399), "2100-02-28T23:59:59Z");
+        assert_eq!(rfc3339(-1), "1969-12-31T23:59:59Z");
     }
 }
