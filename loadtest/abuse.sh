@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Bounded under abuse (loadtest/README.md, SPEC §1 rule 10): each abusive
+# Bounded under abuse (loadtest/README.md, docs/semantics.md, rule 10): each abusive
 # client beside a steady legitimate one, against one gateway (SQLite, the
 # in-process fast layer, a descriptor limit of 1,024 as systemd sets by
 # default) in front of the demo upstream. Per scenario: the peak of

@@ -1,5 +1,5 @@
 //! How soon duplicates waiting on one gateway instance learn the outcome of
-//! a request that runs on another (SPEC §7): `loadtest/waiters.sh`.
+//! a request that runs on another (docs/semantics.md, "Waiting duplicates"): `loadtest/waiters.sh`.
 //!
 //! ```text
 //! waiters_bench A_URL B_URL UPSTREAM_URL ROUNDS DUPLICATES DELAY_MS

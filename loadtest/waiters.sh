@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Waiters across instances (SPEC §7, loadtest/README.md): two real gateway
+# Waiters across instances (docs/semantics.md, "Waiting duplicates", loadtest/README.md): two real gateway
 # processes on one Postgres, the demo upstream holding the first request of
 # each round for DELAY_MS, DUPLICATES waiting copies on the other instance;
 # how long after the first client's answer each waiter gets its own. Run

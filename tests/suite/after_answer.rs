@@ -1,5 +1,5 @@
 //! The states a record enters after its first answer — uncertain, expired,
-//! waited for — hold the same rules on every instance (SPEC §1 rule 8).
+//! waited for — hold the same rules on every instance (docs/semantics.md, rule 8).
 //!
 //! Every test runs real `idemgate serve` processes on one Postgres schema,
 //! two of them and (for comparison) one, in front of the demo upstream,

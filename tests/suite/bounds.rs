@@ -1,4 +1,4 @@
-//! Bounded under abuse (SPEC §1 rule 10): every claim, buffered answer and
+//! Bounded under abuse (docs/semantics.md, rule 10): every claim, buffered answer and
 //! descriptor counts against a limit, and "never sent" means nothing was
 //! sent. Real gateways, raw clients that hang up or reset, a gateway
 //! process under a lowered descriptor limit, an HTTPS upstream that

@@ -1,4 +1,4 @@
-//! Callback routes end to end (SPEC §4 "Callback routes"): business keys,
+//! Callback routes end to end (docs/semantics.md, "Callback routes"): business keys,
 //! signatures, the lost-ACK incident with a retrying provider.
 
 use crate::support;

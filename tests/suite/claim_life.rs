@@ -1,4 +1,4 @@
-//! A claim belongs to the gateway (SPEC §1 rule 6): whatever the client,
+//! A claim belongs to the gateway (docs/semantics.md, rule 6): whatever the client,
 //! the response body or the database does after a request was forwarded,
 //! the outcome is recorded and a retry never executes the action again.
 //!

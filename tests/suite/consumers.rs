@@ -1,4 +1,4 @@
-//! The MQ link (SPEC §8) against the real brokers: RabbitMQ and NATS
+//! The MQ link (docs/semantics.md, "Queues") against the real brokers: RabbitMQ and NATS
 //! JetStream, real gateways, the demo upstream's `/actions/{name}` — which
 //! executes on every call, so each count below is what the gateway let
 //! through, not what the upstream deduplicated.

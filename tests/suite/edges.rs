@@ -1,4 +1,4 @@
-//! Keys and edges that cannot be bent (SPEC §4): callback scoping, business
+//! Keys and edges that cannot be bent (docs/semantics.md): callback scoping, business
 //! key validation, tokens as one action, purges of live claims, requests
 //! that never left, replays without their body.
 //!

@@ -352,7 +352,7 @@ const PATH_ROUTES: &str = r#"
     idempotency = "key"
 "#;
 
-/// Paths that another component could read as a different path (SPEC §4
+/// Paths that another component could read as a different path (docs/semantics.md
 /// Always). All but the first live under `/echo`, so that any of them that
 /// got through would reach a counting endpoint of the upstream.
 const AMBIGUOUS_PATHS: &[&str] = &[

@@ -1,4 +1,4 @@
-//! `Idempotency-Key` routes end to end (SPEC §4): a real gateway in front of
+//! `Idempotency-Key` routes end to end (docs/semantics.md): a real gateway in front of
 //! the demo upstream, whose execution counter is the oracle.
 
 use crate::support;

@@ -1,4 +1,4 @@
-//! Who is asking, and what counts as the same request (SPEC §1 rule 9):
+//! Who is asking, and what counts as the same request (docs/semantics.md, rule 9):
 //! principals, not credential bytes; every header value; callbacks by
 //! business key; tokens for browsers (CORS, secret rotation, issue rate).
 //! Real gateways over real HTTP/1.1 and HTTP/2 clients; executions counted

@@ -1,4 +1,4 @@
-//! HTTP/2 and TLS on both sides (SPEC §4 "Protocols and TLS"), with real
+//! HTTP/2 and TLS on both sides (docs/semantics.md, "What is forwarded upstream"), with real
 //! certificates generated per test and real TLS handshakes.
 //!
 //! Every execution count is taken on the demo's `/actions/{name}`, which

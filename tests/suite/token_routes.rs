@@ -1,4 +1,4 @@
-//! One-time tokens end to end (SPEC §4 "Tokens").
+//! One-time tokens end to end (docs/semantics.md, "Token routes").
 
 use crate::support;
 

@@ -1,4 +1,4 @@
-//! An HTTP/2 upstream that refuses or abandons streams (SPEC §4: only a
+//! An HTTP/2 upstream that refuses or abandons streams (docs/semantics.md: only a
 //! request that may have reached the upstream becomes `uncertain`). The
 //! upstream is a raw frame writer, so each refusal is exactly the frame the
 //! test names: `RST_STREAM(REFUSED_STREAM)` and a graceful `GOAWAY` below

@@ -1,4 +1,4 @@
-//! Claims are counted (SPEC §1 rule 10).
+//! Claims are counted (docs/semantics.md, rule 10).
 //!
 //! A won claim runs in a task of its own and outlives its client — right
 //! for "never twice", and a way to pile work on the upstream: clients that

@@ -1,5 +1,5 @@
 //! What the process may hold: descriptors, and the budgets sized from them
-//! (SPEC §1 rule 10).
+//! (docs/semantics.md, rule 10).
 //!
 //! Every client connection, upstream connection and store connection is a
 //! descriptor. Past the limit `accept` fails (`EMFILE`) and so does every

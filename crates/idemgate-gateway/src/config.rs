@@ -1,4 +1,4 @@
-//! Configuration: the TOML file of SPEC section 3, the `IDEMGATE_*`
+//! Configuration: the TOML file of docs/configuration.md, the `IDEMGATE_*`
 //! environment overrides, and validation.
 //!
 //! Parsing happens in two phases. Serde rejects what cannot be read at all

@@ -162,7 +162,7 @@ fn allow_list<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
 /// Refuses every path that another component (the upstream, a proxy or a
 /// servlet container in front of it) could read as a different path, so
 /// that a request can never match one route and, after the upstream
-/// normalises its path, execute as another (SPEC §4 Always):
+/// normalises its path, execute as another (docs/semantics.md, "What is forwarded upstream"):
 ///
 /// - a `;`, raw or encoded (`%3b`): `..;` is `..` to servers that drop
 ///   path parameters;

@@ -1,5 +1,5 @@
 //! A message's business key: `msg:message_id`, `msg:topic`,
-//! `msg:header:Name`, `json:/pointer` (SPEC §8).
+//! `msg:header:Name`, `json:/pointer` (docs/semantics.md, "Queues").
 //!
 //! The rules are the callback routes' (see [`idemgate::callback::KeySource`]):
 //! several sources are joined with length prefixes, JSON values must be

@@ -1,4 +1,4 @@
-//! The MQ link (SPEC §8): consume from RabbitMQ or NATS JetStream and
+//! The MQ link (docs/semantics.md, "Queues"): consume from RabbitMQ or NATS JetStream and
 //! deliver each message to an upstream over HTTP once.
 //!
 //! A broker delivers at least once: a failover, or a consumer killed before

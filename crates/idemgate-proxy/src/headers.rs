@@ -14,7 +14,7 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// Whether the gateway sets `name` for the upstream itself (the stable
 /// `Idempotency-Key`, `X-Request-Id`, `X-Forwarded-*`, `Forwarded`). By the
 /// time the request is written these hold the gateway's values, not the
-/// client's, so a client's `Connection` must never name them away (SPEC §1
+/// client's, so a client's `Connection` must never name them away (docs/semantics.md,
 /// rule 7, §4 Always): listed there, they are ignored as options.
 fn is_set_by_gateway(name: &HeaderName) -> bool {
     *name == header::FORWARDED

@@ -2,7 +2,7 @@
 //! front of it.
 //!
 //! - [`sql::SqlStore`]: Postgres or SQLite, same code and same schema. Every
-//!   claim is durable here before anything is forwarded (SPEC §1 rule 1).
+//!   claim is durable here before anything is forwarded (docs/semantics.md, rule 1).
 //!   Check-and-claim is one atomic statement (rule 2); every write after the
 //!   claim carries the claim's fencing epoch, so a paused or late holder can
 //!   never overwrite a newer one.
@@ -60,7 +60,7 @@ use bytes::Bytes;
 pub use fast::FastLayer;
 pub use tiered::{Store, StoreSettings};
 
-/// Which record: (client scope, route, key) — SPEC §1 rule 4.
+/// Which record: (client scope, route, key) — docs/semantics.md, rule 4.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RecordKey {
     /// Hash of the client identity (see [`idemgate_core::identity`]).
@@ -81,7 +81,7 @@ impl RecordKey {
         }
     }
 
-    /// The key as logs show it: never raw (SPEC §5), see [`key_ref`].
+    /// The key as logs show it: never raw, see [`key_ref`].
     pub fn escaped(&self) -> String {
         key_ref(&self.key)
     }
@@ -184,7 +184,7 @@ pub enum Claim {
     },
     /// The same request reached the upstream and no answer came back; a
     /// copy may still be running there for `retry_after`, and until then
-    /// nothing is forwarded (SPEC §1 rule 8).
+    /// nothing is forwarded (docs/semantics.md, rule 8).
     Uncertain {
         epoch: i64,
         retry_after: Duration,

@@ -1,6 +1,6 @@
 //! The in-process fast layer (when `store.redis_url` is empty).
 //!
-//! A sharded map with per-entry expiry, bounded twice (SPEC §1 rule 10):
+//! A sharded map with per-entry expiry, bounded twice (docs/semantics.md, rule 10):
 //! by entries, and by bytes (`store.memory_layer_bytes`, default 64 MiB) —
 //! a completed answer holds its whole stored body, so a bound in entries
 //! alone let 600 one-megabyte answers hold 600 MiB for a whole retention.

@@ -1,4 +1,4 @@
-//! Purges reach every in-process fast layer (SPEC §5).
+//! Purges reach every in-process fast layer (docs/semantics.md, "Purges").
 //!
 //! An in-process fast layer lives in one gateway process; a purge made by
 //! the CLI or by another instance cannot touch it directly. Every purge is

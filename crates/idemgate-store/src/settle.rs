@@ -1,4 +1,4 @@
-//! Waiting for a record to settle, on any instance (SPEC §7).
+//! Waiting for a record to settle, on any instance (docs/semantics.md, "Waiting duplicates").
 //!
 //! A duplicate that waits (`on_concurrent = "wait"`) for a request held by
 //! another gateway process must learn the outcome the moment it is recorded,

@@ -4,7 +4,7 @@
 //! differs is how each reads its clock. Every lease and expiry is judged by
 //! the database's clock (`{now}`, milliseconds since the Unix epoch), never
 //! by one gateway's: two instances whose clocks disagree still agree on
-//! whether a lease is live, because only the database decides (SPEC §4).
+//! whether a lease is live, because only the database decides (docs/semantics.md).
 //!
 //! A fresh record's epoch is the database's clock in microseconds
 //! (`{epoch}`), and each takeover adds one. So epochs only ever grow for a

@@ -1,5 +1,5 @@
 //! Several real gateway processes (`idemgate serve`) on one store: what
-//! each instance knows must reach the others through the store (SPEC §1
+//! each instance knows must reach the others through the store (docs/semantics.md,
 //! rule 8), so the tests that check a rule across instances run separate
 //! processes, with nothing shared but the database (and Redis).
 #![allow(dead_code, unreachable_pub)]

@@ -1,5 +1,5 @@
-//! Client identity: which scope a request's records live in (SPEC §1 rules
-//! 4 and 9).
+//! Client identity: which scope a request's records live in (docs/semantics.md,
+//! rules 4 and 9).
 //!
 //! A scope names a principal, never the bytes of a credential. Two sources:
 //!

@@ -1,4 +1,4 @@
-//! `[[consumers]]` (SPEC §8): a queue or stream Idemgate consumes and
+//! `[[consumers]]` (docs/semantics.md, "Queues"): a queue or stream Idemgate consumes and
 //! delivers, once per business key, to an upstream over HTTP.
 
 use serde::Deserialize;

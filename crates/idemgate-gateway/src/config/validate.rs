@@ -522,7 +522,7 @@ impl Config {
                         add(key("business_key"), reason);
                         continue;
                     }
-                    // Every scheme signs the body only (SPEC section 4,
+                    // Every scheme signs the body only (docs/semantics.md, "Callback routes";
                     // callback routes): a key read elsewhere is not covered.
                     let unsigned = if source.starts_with("header:") {
                         Some("header")

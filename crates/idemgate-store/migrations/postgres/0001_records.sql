@@ -1,4 +1,4 @@
--- The durable idempotency record: the source of truth (SPEC §1 rule 1).
+-- The durable idempotency record: the source of truth (docs/semantics.md, rule 1).
 -- One row per (route, key, client scope); the primary key is what makes the
 -- claim `INSERT … ON CONFLICT DO NOTHING` atomic (rule 2), and by its prefix
 -- it is also the index `keys show|purge ROUTE KEY` reads across scopes.

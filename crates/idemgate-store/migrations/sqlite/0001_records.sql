@@ -1,7 +1,7 @@
 -- SQLite twin of migrations/postgres: the same tables, columns and indexes;
 -- only the type names differ (BLOB for BYTEA, INTEGER for BIGINT/BOOLEAN),
 -- and SQLite has no fillfactor.
--- The durable idempotency record: the source of truth (SPEC §1 rule 1).
+-- The durable idempotency record: the source of truth (docs/semantics.md, rule 1).
 -- One row per (route, key, client scope); the primary key is what makes the
 -- claim `INSERT … ON CONFLICT DO NOTHING` atomic (rule 2), and by its prefix
 -- it is also the index `keys show|purge ROUTE KEY` reads across scopes.

@@ -71,7 +71,7 @@ impl Policy for CallbackPolicy {
 
     /// A redelivery is the same delivery whenever its business key is:
     /// providers re-stamp retries (`notify_time`, attempt counters), and a
-    /// whole-body fingerprint would refuse them forever (SPEC §1 rule 9).
+    /// whole-body fingerprint would refuse them forever (docs/semantics.md, rule 9).
     fn fingerprint(&self, parts: &Parts, body: &Bytes, key: &str) -> Option<String> {
         let values = match_values(&self.must_match, parts, body);
         let fields = self

@@ -26,7 +26,7 @@ pub enum BodyError {
 }
 
 /// The bytes of request bodies the process holds at once
-/// (`server.max_buffered_bytes`, SPEC §1 rule 10): protected routes
+/// (`server.max_buffered_bytes`, docs/semantics.md, rule 10): protected routes
 /// buffer each body whole to fingerprint it, and `max_body_bytes` bounds
 /// one body, not how many arrive together (10,000 connections, or 128
 /// streams of one HTTP/2 connection, each sending a megabyte). Counted in

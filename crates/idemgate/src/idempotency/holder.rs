@@ -1,7 +1,7 @@
 //! The life of a won claim, owned by the gateway: claimed → forwarded →
 //! response in hand → recorded.
 //!
-//! A claim must not belong to the client's connection (SPEC §1 rule 6).
+//! A claim must not belong to the client's connection (docs/semantics.md, rule 6).
 //! hyper drops a request's future when its client hangs up; if that future
 //! held the claim, the forward would be cancelled mid-flight and the outcome
 //! never recorded, and the client's retry after the lease would execute the
@@ -420,7 +420,7 @@ impl<L: Ledger> Holder<L> {
 
     /// Retries the write for as long as the claim is held: the answer is
     /// in hand, and throwing it away would let a retry execute the action
-    /// again (SPEC §1 rule 6). It stops only when the write lands, the
+    /// again (docs/semantics.md, rule 6). It stops only when the write lands, the
     /// fence refuses it, or the lease was lost (another holder owns the
     /// record now) — or when the process ends (a shutdown past its grace
     /// logs the key; the record is then taken over after its lease).

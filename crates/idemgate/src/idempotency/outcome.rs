@@ -35,7 +35,7 @@ pub fn is_stored(status: StatusCode) -> bool {
 }
 
 /// Headers that describe a body; a replay without its body must not carry
-/// them (SPEC §4 Always).
+/// them (docs/semantics.md, "What is forwarded upstream").
 const BODY_HEADERS: [&str; 7] = [
     "content-encoding",
     "content-md5",

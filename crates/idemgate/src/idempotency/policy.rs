@@ -82,7 +82,7 @@ pub trait Policy: Clone + Send + Sync + 'static {
         None
     }
 
-    /// Which record a key names (SPEC §1 rule 4): by default the client's
+    /// Which record a key names (docs/semantics.md, rule 4): by default the client's
     /// scope, the route and the key. Policies whose keys are not the
     /// client's own say otherwise (a callback's sender rotates credentials;
     /// a token is one action whatever route it is used on).

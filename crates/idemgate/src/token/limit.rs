@@ -9,7 +9,7 @@
 //! `n`.
 //!
 //! Written here rather than with `governor`: the map of principals must be
-//! bounded (SPEC §1 rule 10), and a keyed `governor` limiter grows until
+//! bounded (docs/semantics.md, rule 10), and a keyed `governor` limiter grows until
 //! pruned by hand; this is the same algorithm in a few lines, with the
 //! bound built in: [`MAX_PRINCIPALS`] principals inside their window at
 //! once, past which issuing is refused for new ones.
