@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
+# Headless Chromium for the dashboard test.
+scripts/browser.sh
 # tests/suite/library.rs starts the example app as a process.
 cargo build -p idemgate --example orders
 # Every crate's unit tests, the end-to-end suite (tests/suite), the

@@ -77,7 +77,7 @@ pub fn idemgate() -> ExitCode {
     };
     if let Command::Serve = command {
         return run_to_exit("idemgate", async {
-            idemgate_gateway::gateway::run(plan)
+            idemgate_gateway::gateway::run(plan, cli.config.clone())
                 .await
                 .map_err(|e| e.to_string())
         });
@@ -208,18 +208,39 @@ fn run_to_exit(
     }
 }
 
+/// Logs on stderr: human text on a terminal, one JSON object per line
+/// otherwise (a collector's input), or as `IDEMGATE_LOG_FORMAT` (`json`,
+/// `text`) says. Keys are logged escaped and truncated, clients as their
+/// scope hash, never a credential (docs/semantics.md, "Bounds" and rule 4).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
         // lapin logs every closed channel as an error of its own; the
         // consumer logs the same event once, with the consumer and queue.
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"));
-    // Colours only on a terminal: log files and collectors get plain text.
     use std::io::IsTerminal;
-    tracing_subscriber::fmt()
+    let terminal = std::io::stderr().is_terminal();
+    let json = match std::env::var("IDEMGATE_LOG_FORMAT").as_deref() {
+        Ok("json") => true,
+        Ok("text") => false,
+        Ok(other) => {
+            eprintln!("IDEMGATE_LOG_FORMAT={other:?} is neither json nor text; writing text");
+            false
+        }
+        Err(_) => !terminal,
+    };
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if json {
+        logs.json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init();
+    } else {
+        // Colours only on a terminal.
+        logs.with_ansi(terminal).init();
+    }
 }
 
 /// `demo-upstream [ADDR]`: the demo order/payment/coupon service on its own

@@ -568,3 +568,39 @@ async fn a_purge_elsewhere_never_frees_a_running_or_uncertain_key() {
     assert_eq!(executions_at(&s.upstream, "pay"), 2);
     assert_eq!(s.peak_copies(), 1);
 }
+
+/// The operators' list of uncertain records (`GET /admin/uncertain`, the
+/// dashboard's) is the store's: a record made uncertain on one instance is
+/// listed by the other, with its hold, and leaves the list once a retry
+/// has taken it over and completed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_uncertain_list_is_the_stores_on_every_instance() {
+    let test = "the_uncertain_list_is_the_stores_on_every_instance";
+    let Some(s) = Setup::start(test, 2, "", "").await else {
+        return;
+    };
+    let lost = s
+        .post(&s.gateways[0], "list-1", &[("x-demo-drop", "after")])
+        .await;
+    assert_eq!(lost.status, 502);
+    let listed: serde_json::Value = s
+        .http
+        .get(&s.gateways[1].admin_url("/admin/uncertain"))
+        .await
+        .json();
+    let records = listed["records"].as_array().unwrap();
+    assert_eq!(records.len(), 1, "{listed}");
+    assert_eq!(records[0]["key"], "list-1");
+    assert_eq!(records[0]["state"], "uncertain");
+    assert!(records[0]["hold_left"].is_string(), "{listed}");
+    assert_eq!(records[0]["reconcilable"], false);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let retry = s.post(&s.gateways[1], "list-1", &[]).await;
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    let after: serde_json::Value = s
+        .http
+        .get(&s.gateways[0].admin_url("/admin/uncertain"))
+        .await
+        .json();
+    assert_eq!(after["records"].as_array().unwrap().len(), 0, "{after}");
+}

@@ -21,6 +21,7 @@ mod key_routes;
 mod layering;
 mod library;
 mod operations;
+mod operators;
 mod principals;
 mod protocols;
 mod proxy;

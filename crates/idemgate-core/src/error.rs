@@ -65,6 +65,7 @@ macro_rules! reasons {
 }
 
 reasons! {
+    AdminUnauthorized = ("admin-unauthorized", StatusCode::UNAUTHORIZED, "The admin API needs its bearer token"),
     AmbiguousFraming = ("ambiguous-framing", StatusCode::BAD_REQUEST, "The request has both Content-Length and Transfer-Encoding"),
     BadRequestBody = ("bad-request-body", StatusCode::BAD_REQUEST, "The request body could not be read"),
     BodyTimeout = ("body-timeout", StatusCode::REQUEST_TIMEOUT, "The request body did not arrive in time"),

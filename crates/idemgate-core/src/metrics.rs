@@ -268,9 +268,13 @@ pub trait WorkerConnections: Send + Sync + std::fmt::Debug {
 /// One gateway's metrics.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    routes: BTreeMap<String, Arc<RouteCounters>>,
-    upstreams: BTreeMap<String, Arc<Histogram>>,
-    consumers: BTreeMap<String, Arc<ConsumerCounters>>,
+    routes: Series<RouteCounters>,
+    upstreams: Series<Histogram>,
+    consumers: Series<ConsumerCounters>,
+    /// Configuration reloads (`SIGHUP`): applied, refused.
+    reloads: [AtomicU64; 2],
+    /// A hash of the configuration file in force (`idemgate_config_info`).
+    config_hash: std::sync::Mutex<String>,
     fallback_redis: AtomicU64,
     fallback_memory: AtomicU64,
     /// Claims currently held by this gateway (forwarded, not yet finished).
@@ -287,6 +291,49 @@ pub struct Metrics {
     workers: std::sync::OnceLock<Arc<dyn WorkerConnections>>,
     /// Gauges read when rendered, registered by the parts that own them.
     gauges: std::sync::Mutex<Vec<Gauge>>,
+}
+
+/// The series of one kind, by name. Known at start-up, and grown by a
+/// configuration reload (a new route gets its series); read by every
+/// render, written only when a stack is built, never per request.
+#[derive(Debug)]
+struct Series<T>(std::sync::RwLock<BTreeMap<String, Arc<T>>>);
+
+impl<T> Default for Series<T> {
+    fn default() -> Self {
+        Series(std::sync::RwLock::new(BTreeMap::new()))
+    }
+}
+
+impl<T: Default> Series<T> {
+    fn of<'a>(names: impl Iterator<Item = &'a str>) -> Self {
+        Series(std::sync::RwLock::new(
+            names.map(|n| (n.to_owned(), Arc::default())).collect(),
+        ))
+    }
+
+    /// The series named `name`, added when new.
+    fn get(&self, name: &str) -> Arc<T> {
+        if let Some(found) = self.0.read().unwrap_or_else(|p| p.into_inner()).get(name) {
+            return found.clone();
+        }
+        self.0
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(name.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Every series, by name.
+    fn all(&self) -> Vec<(String, Arc<T>)> {
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(n, s)| (n.clone(), s.clone()))
+            .collect()
+    }
 }
 
 /// A gauge whose value is read when `/metrics` is rendered.
@@ -310,37 +357,42 @@ impl Metrics {
         upstreams: impl IntoIterator<Item = &'a str>,
         consumers: impl IntoIterator<Item = &'a str>,
     ) -> Self {
-        fn series<'a, T: Default>(
-            names: impl Iterator<Item = &'a str>,
-        ) -> BTreeMap<String, Arc<T>> {
-            names.map(|n| (n.to_owned(), Arc::default())).collect()
-        }
         Metrics {
-            routes: series(routes.into_iter().chain(std::iter::once("token"))),
-            upstreams: series(upstreams.into_iter()),
-            consumers: series(consumers.into_iter()),
+            routes: Series::of(routes.into_iter().chain(std::iter::once("token"))),
+            upstreams: Series::of(upstreams.into_iter()),
+            consumers: Series::of(consumers.into_iter()),
             ..Default::default()
         }
     }
 
+    /// Counts a configuration reload: applied (`true`) or refused.
+    pub fn reloaded(&self, applied: bool) {
+        self.reloads[usize::from(!applied)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Says which configuration is in force (a hash of the file).
+    pub fn set_config_hash(&self, hash: &str) {
+        *self.config_hash.lock().unwrap_or_else(|p| p.into_inner()) = hash.to_owned();
+    }
+
     /// The counters of one route.
     pub fn route(&self, name: &str) -> Arc<RouteCounters> {
-        self.routes.get(name).cloned().unwrap_or_default()
+        self.routes.get(name)
     }
 
     /// The latency histogram of one upstream.
     pub fn upstream(&self, name: &str) -> Arc<Histogram> {
-        self.upstreams.get(name).cloned().unwrap_or_default()
+        self.upstreams.get(name)
     }
 
     /// The counters of one consumer.
     pub fn consumer(&self, name: &str) -> Arc<ConsumerCounters> {
-        self.consumers.get(name).cloned().unwrap_or_default()
+        self.consumers.get(name)
     }
 
     /// Every consumer's counters, by name.
-    pub fn consumers(&self) -> impl Iterator<Item = (&str, &Arc<ConsumerCounters>)> {
-        self.consumers.iter().map(|(n, c)| (n.as_str(), c))
+    pub fn consumers(&self) -> Vec<(String, Arc<ConsumerCounters>)> {
+        self.consumers.all()
     }
 
     /// Where the per-worker connection counts come from.
@@ -404,7 +456,7 @@ impl Metrics {
         let mut out = String::with_capacity(4096);
         out.push_str("# HELP idemgate_requests_total Requests by route and outcome.\n");
         out.push_str("# TYPE idemgate_requests_total counter\n");
-        for (route, counters) in &self.routes {
+        for (route, counters) in self.routes.all() {
             for outcome in OUTCOMES {
                 let _ = writeln!(
                     out,
@@ -414,12 +466,13 @@ impl Metrics {
                 );
             }
         }
-        if !self.consumers.is_empty() {
+        let consumers = self.consumers.all();
+        if !consumers.is_empty() {
             out.push_str(
                 "# HELP idemgate_messages_total Message deliveries by consumer and outcome.\n",
             );
             out.push_str("# TYPE idemgate_messages_total counter\n");
-            for (consumer, counters) in &self.consumers {
+            for (consumer, counters) in &consumers {
                 for outcome in MESSAGE_OUTCOMES {
                     let _ = writeln!(
                         out,
@@ -431,7 +484,7 @@ impl Metrics {
             }
             out.push_str("# HELP idemgate_messages_waiting Deliveries waiting in process (store away, a copy in flight elsewhere).\n");
             out.push_str("# TYPE idemgate_messages_waiting gauge\n");
-            for (consumer, counters) in &self.consumers {
+            for (consumer, counters) in &consumers {
                 let _ = writeln!(
                     out,
                     "idemgate_messages_waiting{{consumer=\"{consumer}\"}} {}",
@@ -440,7 +493,7 @@ impl Metrics {
             }
             out.push_str("# HELP idemgate_consumer_connected Whether the consumer's broker connection is up.\n");
             out.push_str("# TYPE idemgate_consumer_connected gauge\n");
-            for (consumer, counters) in &self.consumers {
+            for (consumer, counters) in &consumers {
                 let _ = writeln!(
                     out,
                     "idemgate_consumer_connected{{consumer=\"{consumer}\"}} {}",
@@ -464,7 +517,7 @@ impl Metrics {
             "# HELP idemgate_upstream_duration_seconds Time to the upstream's response head.\n",
         );
         out.push_str("# TYPE idemgate_upstream_duration_seconds histogram\n");
-        for (upstream, histogram) in &self.upstreams {
+        for (upstream, histogram) in self.upstreams.all() {
             histogram.render(
                 &mut out,
                 "idemgate_upstream_duration_seconds",
@@ -488,6 +541,27 @@ impl Metrics {
             "idemgate_claims_in_flight {}",
             self.claims_in_flight.load(Ordering::Relaxed)
         );
+        out.push_str("# HELP idemgate_config_reloads_total Configuration reloads (SIGHUP), applied or refused.\n");
+        out.push_str("# TYPE idemgate_config_reloads_total counter\n");
+        for (i, result) in ["applied", "refused"].iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "idemgate_config_reloads_total{{result=\"{result}\"}} {}",
+                self.reloads[i].load(Ordering::Relaxed)
+            );
+        }
+        let hash = self
+            .config_hash
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if !hash.is_empty() {
+            out.push_str(
+                "# HELP idemgate_config_info The configuration in force (a hash of its file).\n",
+            );
+            out.push_str("# TYPE idemgate_config_info gauge\n");
+            let _ = writeln!(out, "idemgate_config_info{{hash=\"{hash}\"}} 1");
+        }
         out.push_str("# HELP idemgate_claims_limit Claims this gateway may hold at once (server.max_claims).\n");
         out.push_str("# TYPE idemgate_claims_limit gauge\n");
         let _ = writeln!(

@@ -1,9 +1,17 @@
-//! The admin listener: `/healthz`, `/readyz`, `/metrics` and `/admin/keys`.
+//! The admin listener: `/healthz`, `/readyz`, `/metrics` and `/admin/*`.
 //!
 //! It is a separate socket (`server.admin_listen`) so that operators can
-//! firewall it; none of these paths exist on the public listener.
+//! firewall it; none of these paths exist on the public listener. The
+//! `/admin/*` API can purge records, so it asks who is calling: with
+//! `server.admin_token` set, every `/admin/*` request needs
+//! `Authorization: Bearer <token>` (`401 admin-unauthorized` otherwise);
+//! without one, the listener must be on a loopback address (refused at
+//! start-up otherwise). `/healthz`, `/readyz` and `/metrics` stay open, as
+//! probes and scrapers expect.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{Path, Query, State};
@@ -13,31 +21,122 @@ use axum::routing::get;
 use serde::Deserialize;
 use serde_json::json;
 
+use idemgate::idempotency::{Reconcile, Reconciliation, reconcile_uncertain};
+use idemgate_core::error::{Problem, Reason};
 use idemgate_core::identity::Identity;
 use idemgate_core::metrics::Metrics;
 use idemgate_store::Store;
 
+use crate::config::AdminToken;
+
 /// What the admin endpoints read.
 #[derive(Clone)]
 pub struct AdminState {
+    /// This gateway's metrics.
     pub metrics: Arc<Metrics>,
+    /// The store (records to show, purge, list).
     pub store: Store,
     /// How `?client=` names a scope (the identity header's value, or a
     /// JWT principal).
     pub identity: Identity,
+    /// The bearer token `/admin/*` requires (`None`: open, on loopback).
+    pub token: Option<AdminToken>,
+    /// Each route with a `reconcile_path`: its status endpoint, and how
+    /// long its answer may take.
+    pub reconcilers: Arc<Reconcilers>,
+    /// Answers larger than this are recorded without their body.
+    pub max_stored_body_bytes: usize,
+}
+
+/// Each route with a `reconcile_path`: its status endpoint, and how long
+/// its answer may take.
+pub type Reconcilers = HashMap<String, (Arc<dyn Reconcile>, Duration)>;
+
+/// Records the uncertain list shows at most.
+pub const UNCERTAIN_LIST_LIMIT: i64 = 200;
+
+/// The dashboard: one page, no external assets; it reads `/metrics` and
+/// the admin API from the browser.
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// The admin state in force, swapped whole by a configuration reload.
+#[derive(Clone)]
+pub struct AdminHandle(Arc<arc_swap::ArcSwap<AdminState>>);
+
+impl AdminHandle {
+    /// A handle on `state`.
+    pub fn new(state: AdminState) -> Self {
+        AdminHandle(Arc::new(arc_swap::ArcSwap::from_pointee(state)))
+    }
+
+    /// What a request reads.
+    pub fn current(&self) -> Arc<AdminState> {
+        self.0.load_full()
+    }
+
+    /// Puts `state` in force from the next request on.
+    pub fn replace(&self, state: AdminState) {
+        self.0.store(Arc::new(state));
+    }
 }
 
 /// The admin router.
-pub fn router(state: AdminState) -> axum::Router {
-    axum::Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+pub fn router(state: AdminHandle) -> axum::Router {
+    let admin = axum::Router::new()
         .route(
             "/admin/keys/{route}/{*key}",
             get(show_key).delete(purge_key),
         )
+        .route("/admin/uncertain", get(list_uncertain))
+        .route(
+            "/admin/uncertain/{route}/{*key}",
+            axum::routing::post(reconcile_record),
+        )
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_token,
+        ));
+    axum::Router::new()
+        .route("/", get(dashboard))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .merge(admin)
         .with_state(state)
+}
+
+/// `/admin/*`: the bearer token, when one is configured.
+async fn require_token(
+    State(handle): State<AdminHandle>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let state = handle.current();
+    let Some(token) = &state.token else {
+        return next.run(request).await;
+    };
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim());
+    match presented {
+        Some(candidate) if token.matches(candidate) => next.run(request).await,
+        _ => {
+            // The route's pattern, never the path: a path names a key.
+            let endpoint = request
+                .extensions()
+                .get::<axum::extract::MatchedPath>()
+                .map_or("/admin", |p| p.as_str())
+                .to_owned();
+            tracing::warn!(endpoint = %endpoint, method = %request.method(), layer = "admin", "admin request without its token refused");
+            Problem::new(Reason::AdminUnauthorized)
+                .www_authenticate("Bearer realm=\"idemgate-admin\"")
+                .into_response()
+        }
+    }
 }
 
 async fn healthz() -> impl IntoResponse {
@@ -46,7 +145,8 @@ async fn healthz() -> impl IntoResponse {
 
 /// Ready when SQL answers; the fast layer's state is reported, not
 /// required (the gateway stays correct on the SQL path without it).
-async fn readyz(State(state): State<AdminState>) -> Response {
+async fn readyz(State(handle): State<AdminHandle>) -> Response {
+    let state = handle.current();
     let (sql, fast) = state.store.readiness().await;
     let fast_state = match &fast {
         None => "none".to_owned(),
@@ -58,6 +158,7 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     let consumers: serde_json::Map<String, serde_json::Value> = state
         .metrics
         .consumers()
+        .into_iter()
         .map(|(name, counters)| {
             let broker = match counters.broker_state() {
                 Ok(()) => "connected".to_owned(),
@@ -82,7 +183,8 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     (status, Json(body)).into_response()
 }
 
-async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+async fn metrics(State(handle): State<AdminHandle>) -> impl IntoResponse {
+    let state = handle.current();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
@@ -96,10 +198,11 @@ struct ClientParam {
 }
 
 async fn show_key(
-    State(state): State<AdminState>,
+    State(handle): State<AdminHandle>,
     Path((route, key)): Path<(String, String)>,
     Query(p): Query<ClientParam>,
 ) -> Response {
+    let state = handle.current();
     let scope = p.client.map(|c| state.identity.scope_for_operator(&c));
     match state.store.find_for_operator(&route, &key).await {
         Ok(records) => {
@@ -120,10 +223,11 @@ async fn show_key(
 }
 
 async fn purge_key(
-    State(state): State<AdminState>,
+    State(handle): State<AdminHandle>,
     Path((route, key)): Path<(String, String)>,
     Query(p): Query<ClientParam>,
 ) -> Response {
+    let state = handle.current();
     let scope = p.client.map(|c| state.identity.scope_for_operator(&c));
     match state
         .store
@@ -151,4 +255,94 @@ async fn purge_key(
         }
         Err(e) => idemgate_core::error::Problem::from(&e).into_response(),
     }
+}
+
+async fn dashboard() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+            // The page runs only its own inline script and talks only to
+            // this listener.
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'",
+            ),
+        ],
+        DASHBOARD,
+    )
+}
+
+/// `GET /admin/uncertain`: the records still `uncertain` among the most
+/// recently marked, newest first — the ones a person may have to look at —
+/// and whether each route can reconcile.
+async fn list_uncertain(State(handle): State<AdminHandle>) -> Response {
+    let state = handle.current();
+    match state.store.sql().uncertain(UNCERTAIN_LIST_LIMIT).await {
+        Ok(records) => {
+            let records: Vec<_> = records
+                .iter()
+                .map(|r| {
+                    let mut shown = r.describe();
+                    shown["reconcilable"] = state.reconcilers.contains_key(&r.key.route).into();
+                    shown
+                })
+                .collect();
+            Json(json!({ "records": records, "limit": UNCERTAIN_LIST_LIMIT })).into_response()
+        }
+        Err(e) => Problem::from(&e).into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+struct ScopeParam {
+    /// The record's client scope, as `/admin/uncertain` shows it.
+    scope: String,
+}
+
+/// `POST /admin/uncertain/{route}/{key}?scope=…`: asks the route's status
+/// endpoint whether the action ran; `200` records its answer as the
+/// outcome, `404` leaves the record to its hold (the next retry is then
+/// forwarded), anything else changes nothing.
+async fn reconcile_record(
+    State(handle): State<AdminHandle>,
+    Path((route, key)): Path<(String, String)>,
+    Query(p): Query<ScopeParam>,
+) -> Response {
+    let state = handle.current();
+    let Some((reconcile, deadline)) = state.reconcilers.get(&route) else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": format!("route {route:?} has no reconcile_path")})),
+        )
+            .into_response();
+    };
+    let record = idemgate_store::RecordKey::new(p.scope, route.as_str(), key.as_str());
+    let found = reconcile_uncertain(
+        &state.store,
+        reconcile.as_ref(),
+        &record,
+        state.max_stored_body_bytes,
+        *deadline,
+    )
+    .await;
+    let (status, outcome) = match found {
+        Ok(Reconciliation::Recorded(stored)) => (
+            StatusCode::OK,
+            json!({"outcome": "recorded", "stored_status": stored}),
+        ),
+        Ok(Reconciliation::NotRun) => (StatusCode::OK, json!({"outcome": "not-run"})),
+        Ok(Reconciliation::NotUncertain) => {
+            (StatusCode::CONFLICT, json!({"outcome": "not-uncertain"}))
+        }
+        Ok(Reconciliation::Failed(why)) => (
+            StatusCode::BAD_GATEWAY,
+            json!({"outcome": "failed", "reason": why}),
+        ),
+        Ok(other) => (StatusCode::OK, json!({"outcome": format!("{other:?}")})),
+        Err(e) => return Problem::from(&e).into_response(),
+    };
+    tracing::info!(route = %route, key = %idemgate_store::key_ref(&key), outcome = %outcome["outcome"], layer = "admin", "operator reconciliation");
+    (status, Json(outcome)).into_response()
 }

@@ -27,7 +27,7 @@ mod options;
 mod plan;
 mod validate;
 pub use consumer::{Broker, ConsumerConfig};
-pub use plan::{Plan, PolicyPlan, RoutePlan};
+pub use plan::{AdminToken, Plan, PolicyPlan, RoutePlan};
 
 /// Where `serve`, `demo` and `check-config` look when `--config` is absent.
 pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
@@ -143,6 +143,15 @@ pub struct ServerConfig {
     /// `[server.cors]`: browser clients on other origins.
     #[serde(default)]
     pub cors: Option<CorsConfig>,
+    /// The bearer token `/admin/*` and the dashboard's actions require
+    /// (`IDEMGATE_ADMIN_TOKEN` overrides it); empty: none, allowed only on
+    /// a loopback `admin_listen`.
+    #[serde(default)]
+    pub admin_token: String,
+    /// A file holding the admin token (its first line), instead of
+    /// `admin_token`: kept out of the configuration file.
+    #[serde(default)]
+    pub admin_token_file: Option<String>,
 }
 
 /// `[server.cors]`: which other origins' scripts may call the gateway.
@@ -571,6 +580,8 @@ impl Default for ServerConfig {
             http2: DEFAULT_HTTP2,
             tls: None,
             cors: None,
+            admin_token: String::new(),
+            admin_token_file: None,
         }
     }
 }
@@ -699,6 +710,10 @@ impl Config {
         }
         if let Some(v) = lookup("IDEMGATE_TOKEN_SECRET") {
             self.tokens.secret = v;
+        }
+        if let Some(v) = lookup("IDEMGATE_ADMIN_TOKEN") {
+            self.server.admin_token = v;
+            self.server.admin_token_file = None;
         }
     }
 

@@ -361,6 +361,38 @@ impl Service<Request<Body>> for Router {
     }
 }
 
+/// The route table in force, swapped whole by a configuration reload
+/// (`SIGHUP`): each request loads the table once and keeps it to the end,
+/// so a reload never changes a request half-way, and connections stay up.
+#[derive(Clone)]
+pub struct Swappable(Arc<arc_swap::ArcSwap<Router>>);
+
+impl Swappable {
+    /// The table `router`, to be swapped later with [`Self::replace`].
+    pub fn new(router: Router) -> Self {
+        Swappable(Arc::new(arc_swap::ArcSwap::from_pointee(router)))
+    }
+
+    /// Puts `router` in force for every request from now on.
+    pub fn replace(&self, router: Router) {
+        self.0.store(Arc::new(router));
+    }
+}
+
+impl Service<Request<Body>> for Swappable {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = RouterFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> RouterFuture {
+        self.0.load().handle(req)
+    }
+}
+
 /// Its answer to the client: the one problem type every module maps to.
 impl From<&RouteError> for idemgate_core::error::Problem {
     fn from(e: &RouteError) -> Self {

@@ -32,7 +32,7 @@ struct Source {
 }
 
 #[cfg(feature = "postgres")]
-const POSTGRES: [Source; 3] = [
+const POSTGRES: [Source; 4] = [
     Source {
         version: 1,
         description: "records",
@@ -48,10 +48,15 @@ const POSTGRES: [Source; 3] = [
         description: "settling",
         sql: include_str!("../migrations/postgres/0003_settling.sql"),
     },
+    Source {
+        version: 4,
+        description: "uncertain_log",
+        sql: include_str!("../migrations/postgres/0004_uncertain_log.sql"),
+    },
 ];
 
 #[cfg(feature = "sqlite")]
-const SQLITE: [Source; 3] = [
+const SQLITE: [Source; 4] = [
     Source {
         version: 1,
         description: "records",
@@ -66,6 +71,11 @@ const SQLITE: [Source; 3] = [
         version: 3,
         description: "settling",
         sql: include_str!("../migrations/sqlite/0003_settling.sql"),
+    },
+    Source {
+        version: 4,
+        description: "uncertain_log",
+        sql: include_str!("../migrations/sqlite/0004_uncertain_log.sql"),
     },
 ];
 

@@ -478,6 +478,32 @@ impl SqlStore {
             .collect()
     }
 
+    /// The records still `uncertain` among the `limit` most recently marked,
+    /// newest first: what an operator may have to look at.
+    pub async fn uncertain(&self, limit: i64) -> Result<Vec<Record>, StoreError> {
+        let statement = self.sql().select_uncertain.as_str();
+        let rows = self
+            .bounded("uncertain", async {
+                with_pool!(self, pool => {
+                    let rows = sqlx::query(statement).bind(limit).fetch_all(pool).await?;
+                    rows.iter().map(RawRecord::read).collect::<Result<Vec<_>, _>>()
+                })
+            })
+            .await?;
+        rows.into_iter()
+            .map(|r| r.into_record(self.tombstone))
+            .collect()
+    }
+
+    /// Forgets uncertain-log entries older than `before_ms`.
+    pub async fn trim_uncertain_log(&self, before_ms: i64) -> Result<u64, StoreError> {
+        let statement = self.sql().trim_uncertain_log.as_str();
+        self.bounded("trim", async {
+            with_pool!(self, pool => sqlx::query(statement).bind(before_ms).execute(pool).await.map(|r| r.rows_affected()))
+        })
+        .await
+    }
+
     /// Stores the outcome; the retention left (by the database's clock) and
     /// whether a duplicate waits for it, or `None` when `epoch` no longer
     /// holds the claim.

@@ -31,6 +31,11 @@ pub(super) struct Statements {
     pub claim_takeover: String,
     pub select_one: String,
     pub select_by_route_key: String,
+    /// `$1` rows at most: the records still uncertain among the most
+    /// recently logged ones (`migrations/*/0004_uncertain_log.sql`).
+    pub select_uncertain: String,
+    /// Forgets uncertain-log entries logged before `$1` (ms).
+    pub trim_uncertain_log: String,
     /// `$1..$3` key, `$4 epoch, $5 status, $6 headers, $7 body, $8
     /// body_kept, $9 request id` → the retention left, in ms, and whether a
     /// duplicate is waiting.
@@ -181,6 +186,14 @@ impl Statements {
                 "SELECT {columns}, {now} FROM idempotency_records \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3",
             ),
+            select_uncertain: fill(
+                "SELECT {columns}, {now} FROM idempotency_records \
+                 WHERE state = 'uncertain' AND (route, idem_key, scope) IN ( \
+                   SELECT route, idem_key, scope FROM idempotency_uncertain \
+                   ORDER BY id DESC LIMIT $1) \
+                 ORDER BY updated_at DESC",
+            ),
+            trim_uncertain_log: "DELETE FROM idempotency_uncertain WHERE marked_at < $1".to_owned(),
             select_by_route_key: fill(
                 "SELECT {columns}, {now} FROM idempotency_records \
                  WHERE route = $1 AND idem_key = $2 ORDER BY scope",

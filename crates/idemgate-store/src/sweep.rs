@@ -61,6 +61,11 @@ async fn sweep_from(
 }
 
 /// Sweeps every `interval` until the task is aborted.
+/// How long the log of records that became uncertain is kept (what the
+/// operator's list of uncertain records reads; a record still uncertain
+/// after this long is past any retention worth keeping).
+pub const UNCERTAIN_LOG_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
+
 pub fn spawn(
     sql: SqlStore,
     memory: Option<Arc<MemoryLayer>>,
@@ -86,6 +91,10 @@ pub fn spawn(
             }
             if let Err(e) = sql.trim_purges(super::purges::KEEP_FOR).await {
                 tracing::debug!(error = %e, layer = "sql", "trimming the purge log failed; will retry");
+            }
+            let before = super::now_ms() - super::statements::millis(UNCERTAIN_LOG_KEEP);
+            if let Err(e) = sql.trim_uncertain_log(before).await {
+                tracing::debug!(error = %e, layer = "sql", "trimming the uncertain log failed; will retry");
             }
         }
     })

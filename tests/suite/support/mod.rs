@@ -12,6 +12,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 pub mod brokers;
+pub mod browser;
 pub mod instances;
 pub mod services;
 pub mod tls;

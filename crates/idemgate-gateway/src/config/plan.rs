@@ -28,6 +28,37 @@ pub struct Plan {
     pub routes: Vec<RoutePlan>,
     /// `[server.cors]` (`None`: off).
     pub cors: Option<CorsPolicy>,
+    /// The admin API's bearer token (`None`: open, on loopback only).
+    pub admin_token: Option<AdminToken>,
+}
+
+/// The admin API's bearer token, compared in constant time.
+#[derive(Clone)]
+pub struct AdminToken(Arc<str>);
+
+impl AdminToken {
+    /// A token; `None` when empty.
+    pub fn new(token: &str) -> Option<AdminToken> {
+        let token = token.trim();
+        (!token.is_empty()).then(|| AdminToken(token.into()))
+    }
+
+    /// Whether `candidate` is the token, in time that does not depend on
+    /// where they differ.
+    pub fn matches(&self, candidate: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), candidate.as_bytes());
+        let mut differ = a.len() ^ b.len();
+        for (i, x) in a.iter().enumerate() {
+            differ |= usize::from(x ^ b.get(i).copied().unwrap_or(0));
+        }
+        differ == 0
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(…)")
+    }
 }
 
 impl std::fmt::Debug for Plan {
@@ -100,6 +131,7 @@ pub(super) struct Loaded {
     upstreams: HashMap<String, Upstream>,
     routes: Vec<RoutePlan>,
     cors: Option<CorsPolicy>,
+    admin_token: Option<AdminToken>,
 }
 
 impl Loaded {
@@ -111,6 +143,7 @@ impl Loaded {
             upstreams: self.upstreams,
             routes: self.routes,
             cors: self.cors,
+            admin_token: self.admin_token,
         }
     }
 }
@@ -166,12 +199,35 @@ pub(super) fn load(config: &Config, add: &mut dyn FnMut(String, String)) -> Opti
         .cors_policy()
         .map_err(|reason| add("server.cors".into(), reason))
         .ok();
+    let admin_token = match &config.server.admin_token_file {
+        None => Some(AdminToken::new(&config.server.admin_token)),
+        Some(path) => match std::fs::read_to_string(path) {
+            Ok(text) => match AdminToken::new(text.lines().next().unwrap_or_default()) {
+                Some(token) => Some(Some(token)),
+                None => {
+                    add(
+                        "server.admin_token_file".into(),
+                        format!("{path:?} holds no token on its first line"),
+                    );
+                    None
+                }
+            },
+            Err(e) => {
+                add(
+                    "server.admin_token_file".into(),
+                    format!("cannot read {path:?}: {e}"),
+                );
+                None
+            }
+        },
+    };
     Some(Loaded {
         identity: identity?,
         server_tls: server_tls?,
         upstreams: all_upstreams.then_some(upstreams)?,
         routes: (routes.len() == config.routes.len()).then_some(routes)?,
         cors: cors?,
+        admin_token: admin_token?,
     })
 }
 

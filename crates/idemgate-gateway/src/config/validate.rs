@@ -32,6 +32,30 @@ impl Config {
                 "must differ from server.listen: the admin endpoints must not be public".into(),
             );
         }
+        // The admin API can purge records and reconcile uncertain ones:
+        // anyone who reaches it must say who they are.
+        let has_token =
+            !self.server.admin_token.is_empty() || self.server.admin_token_file.is_some();
+        if !self.server.admin_token.is_empty() && self.server.admin_token_file.is_some() {
+            add(
+                "server.admin_token_file".into(),
+                "set server.admin_token or server.admin_token_file, not both".into(),
+            );
+        }
+        if let Ok(addr) = self.server.admin_listen.parse::<SocketAddr>()
+            && !addr.ip().is_loopback()
+            && !has_token
+        {
+            add(
+                "server.admin_token".into(),
+                format!(
+                    "server.admin_listen = {:?} is reachable from other hosts, and the admin API \
+                     can purge records: set server.admin_token (or admin_token_file, or \
+                     IDEMGATE_ADMIN_TOKEN), or listen on a loopback address",
+                    self.server.admin_listen
+                ),
+            );
+        }
         if self.server.max_body_bytes == 0 {
             add("server.max_body_bytes".into(), "must be above zero".into());
         }

@@ -23,6 +23,7 @@ use tokio::task::JoinHandle;
 use crate::config::{Config, Plan, RoutePlan};
 
 mod consumers;
+mod reload;
 mod routes;
 mod workers;
 
@@ -57,6 +58,10 @@ pub struct RunningGateway {
     /// This gateway's store.
     pub store: Store,
     trigger: ShutdownTrigger,
+    /// The shared state in force, and where the workers hear of a new one.
+    shared: Arc<Shared>,
+    tables: tokio::sync::watch::Sender<Arc<Shared>>,
+    admin: crate::admin::AdminHandle,
     stop_consumers: tokio_util::sync::CancellationToken,
     consumers: idemgate_mq::Consumers,
     sweeper: JoinHandle<()>,
@@ -135,6 +140,7 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
         );
     }
     let (trigger, signal) = idemgate_server::shutdown_pair();
+    let (tables, subscribed) = tokio::sync::watch::channel(shared.clone());
     let limits = ConnLimits {
         header_read_timeout: shared.config.server.header_read_timeout.get(),
         max_connections: budgets.max_connections.div_ceil(threads),
@@ -143,19 +149,21 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
         http2: shared.config.server.http2,
         tls: shared.server_tls.clone(),
     };
-    let (public_addr, workers) = match workers::spawn(&shared, limits, &signal, threads).await {
-        Ok(started) => started,
-        Err(e) => {
-            trigger.trigger();
-            return Err(e);
-        }
-    };
+    let (public_addr, workers) =
+        match workers::spawn(&shared, &subscribed, limits, &signal, threads).await {
+            Ok(started) => started,
+            Err(e) => {
+                trigger.trigger();
+                return Err(e);
+            }
+        };
     let stop_consumers = tokio_util::sync::CancellationToken::new();
     let consumers = idemgate_mq::Consumers::spawn(
         consumers::build(&shared, &records.store)?,
         stop_consumers.clone(),
     );
-    let admin_task = serve_admin(admin, &shared, &records.store, signal);
+    let admin_handle = crate::admin::AdminHandle::new(admin_state(&shared, &records.store));
+    let admin_task = serve_admin(admin, admin_handle.clone(), signal);
     tracing::info!(
         %public_addr,
         %admin_addr,
@@ -172,6 +180,9 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
         metrics,
         store: records.store,
         trigger,
+        shared,
+        tables,
+        admin: admin_handle,
         stop_consumers,
         consumers,
         sweeper: records.sweeper,
@@ -268,6 +279,11 @@ struct Shared {
     budget: ClaimBudget,
     /// The process's buffered request bodies.
     body_budget: idemgate::idempotency::body::BodyBudget,
+    /// The admin API's bearer token.
+    admin_token: Option<crate::config::AdminToken>,
+    /// The default cap on an upstream's HTTP/1.1 connections (the
+    /// descriptors' share), for upstreams a reload adds.
+    upstream_cap: usize,
 }
 
 impl Shared {
@@ -286,6 +302,7 @@ impl Shared {
             upstreams,
             routes,
             cors,
+            admin_token,
         } = plan;
         let (token_keys, random_secret) = TokenKeys::rotating(&config.tokens.secret_list());
         let upstreams = upstreams
@@ -297,6 +314,8 @@ impl Shared {
             })
             .collect();
         Shared {
+            admin_token,
+            upstream_cap: budgets.upstream_connections,
             routes,
             cors,
             server_tls,
@@ -322,18 +341,25 @@ impl Shared {
     }
 }
 
-/// The admin listener's routes, served until the shutdown signal.
-fn serve_admin(
-    admin: tokio::net::TcpListener,
-    shared: &Shared,
-    store: &Store,
-    mut signal: idemgate_server::ShutdownSignal,
-) -> JoinHandle<()> {
-    let admin_app = crate::admin::router(crate::admin::AdminState {
+/// What the admin API reads, from the shared state in force.
+fn admin_state(shared: &Shared, store: &Store) -> crate::admin::AdminState {
+    crate::admin::AdminState {
         metrics: shared.metrics.clone(),
         store: store.clone(),
         identity: shared.identity.clone(),
-    });
+        token: shared.admin_token.clone(),
+        reconcilers: Arc::new(routes::reconcilers(shared)),
+        max_stored_body_bytes: shared.config.store.max_stored_body_bytes,
+    }
+}
+
+/// The admin listener's routes, served until the shutdown signal.
+fn serve_admin(
+    admin: tokio::net::TcpListener,
+    handle: crate::admin::AdminHandle,
+    mut signal: idemgate_server::ShutdownSignal,
+) -> JoinHandle<()> {
+    let admin_app = crate::admin::router(handle);
     tokio::spawn(async move {
         let serving = axum::serve(admin, admin_app)
             .with_graceful_shutdown(async move { signal.wait().await });
@@ -383,10 +409,22 @@ fn descriptor_budgets(config: &Config, workers: usize) -> idemgate_core::limits:
     budgets
 }
 
-/// `idemgate serve`: runs until SIGTERM or SIGINT, then drains.
-pub async fn run(plan: Plan) -> Result<(), StartError> {
-    let gateway = start_plan(plan).await?;
-    idemgate_server::termination().await;
+/// `idemgate serve`: runs until SIGTERM or SIGINT, then drains; `SIGHUP`
+/// re-reads `path` (see [`RunningGateway::reload`]).
+pub async fn run(plan: Plan, path: std::path::PathBuf) -> Result<(), StartError> {
+    let mut gateway = start_plan(plan).await?;
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        gateway.metrics.set_config_hash(&reload::config_hash(&text));
+    }
+    let mut hangups = reload::hangups();
+    let terminated = idemgate_server::termination();
+    tokio::pin!(terminated);
+    loop {
+        tokio::select! {
+            () = &mut terminated => break,
+            Some(()) = hangups.recv() => gateway.reload(&path).await,
+        }
+    }
     tracing::info!("shutting down: no new connections, finishing in-flight requests");
     gateway.shutdown().await;
     tracing::info!("stopped");

@@ -131,3 +131,25 @@ fn token_route(shared: &Shared) -> Route {
         counters: shared.metrics.route("token"),
     }
 }
+
+/// Each route with a `reconcile_path`, its status endpoint on the calling
+/// runtime (the admin listener's), and its upstream's timeout.
+pub(super) fn reconcilers(shared: &Shared) -> crate::admin::Reconcilers {
+    shared
+        .config
+        .routes
+        .iter()
+        .filter_map(|r| {
+            let path = r.reconcile_path.as_deref()?;
+            let upstream = shared.upstreams.get(&r.upstream)?;
+            let proxy = Proxy::new(
+                upstream.pool(),
+                upstream.clone(),
+                shared.config.server.max_body_bytes,
+                shared.metrics.upstream(&r.upstream),
+            );
+            let endpoint = Arc::new(StatusEndpoint::new(proxy, path)) as Arc<dyn Reconcile>;
+            Some((r.name.clone(), (endpoint, upstream.timeout)))
+        })
+        .collect()
+}

@@ -13,6 +13,7 @@ use super::{Shared, StartError, redact, routes};
 /// address it is bound to (a port 0 resolved).
 pub(super) async fn spawn(
     shared: &Arc<Shared>,
+    tables: &tokio::sync::watch::Receiver<Arc<Shared>>,
     limits: ConnLimits,
     signal: &idemgate_server::ShutdownSignal,
     threads: usize,
@@ -54,7 +55,7 @@ pub(super) async fn spawn(
             i,
             handle,
             seat,
-            shared.clone(),
+            tables.clone(),
             limits.clone(),
             signal.clone(),
             ready,
@@ -81,11 +82,12 @@ fn spawn_worker(
     index: usize,
     listener: std::net::TcpListener,
     seat: idemgate_server::balance::Seat,
-    shared: Arc<Shared>,
+    mut tables: tokio::sync::watch::Receiver<Arc<Shared>>,
     limits: ConnLimits,
     signal: idemgate_server::ShutdownSignal,
     ready: tokio::sync::oneshot::Sender<Result<SocketAddr, StartError>>,
 ) -> std::thread::JoinHandle<()> {
+    let shared = tables.borrow_and_update().clone();
     let key = "server.listen";
     let addr = listener
         .local_addr()
@@ -146,6 +148,20 @@ fn spawn_worker(
                     }
                 };
                 let _ = ready.send(Ok(bound));
+                // A reload publishes new shared state: this worker builds
+                // its own stacks from it (its own pools, its own store) and
+                // swaps them in; requests in flight keep the old ones.
+                let table = crate::router::Swappable::new(router);
+                let swapping = table.clone();
+                tokio::spawn(async move {
+                    while tables.changed().await.is_ok() {
+                        let next = tables.borrow_and_update().clone();
+                        match routes::build_router(&next, &store) {
+                            Ok(router) => swapping.replace(router),
+                            Err(e) => tracing::error!(worker = index, error = %e, layer = "reload", "rebuilding the routes failed; this worker keeps the previous ones"),
+                        }
+                    }
+                });
                 // Claims outlive their connections: after the drain starts,
                 // this loop stays up until the claims held here are
                 // recorded, within the same grace.
@@ -154,7 +170,7 @@ fn spawn_worker(
                 let grace = limits.shutdown_grace;
                 let serving = idemgate_server::serve(
                     listener,
-                    PeerService::factory(router),
+                    PeerService::factory(table),
                     limits,
                     Some(seat),
                     signal,

@@ -52,7 +52,7 @@ use super::IDEMPOTENCY_KEY;
 use super::body::{BodyError, read_and_fingerprint};
 use super::expires::set_expires;
 use super::holder::{Claimed, Holder, Holders, Outcome as Published};
-use super::outcome::{forward_plain, replay, storable_headers};
+use super::outcome::{forward_plain, replay};
 use super::policy::{Head, Policy};
 use super::reconcile::{Reconcile, Reconciled};
 use super::stable_key::stable_key;
@@ -631,24 +631,13 @@ impl Engine {
         answer: Response<Body>,
         request_id: &str,
     ) -> Result<StoredResponse, String> {
-        let (parts, body) = answer.into_parts();
-        let cap = self.settings.max_stored_body_bytes;
-        let captured =
-            tokio::time::timeout(self.settings.wait_limit, super::body::capture(body, cap))
-                .await
-                .map_err(|_| "the status endpoint's body did not arrive in time".to_owned())?;
-        let body = match captured {
-            super::body::Captured::Whole(bytes) => Some(bytes),
-            super::body::Captured::TooLarge(..) => None,
-            super::body::Captured::Broken(cause) => return Err(cause),
-        };
-        Ok(StoredResponse {
-            status: parts.status.as_u16(),
-            headers: storable_headers(&parts.headers, body.is_some()),
-            body_kept: body.is_some(),
-            body: body.unwrap_or_default(),
-            request_id: request_id.to_owned(),
-        })
+        super::reconcile::stored_answer(
+            answer,
+            request_id,
+            self.settings.max_stored_body_bytes,
+            self.settings.wait_limit,
+        )
+        .await
     }
 
     /// A retry of an uncertain record within its hold: `502` with

@@ -32,7 +32,7 @@ pub use holder::Holders;
 pub use key::KeyPolicy;
 pub use layer::{IdempotencyLayer, IdempotencyService, ResponseFuture};
 pub use policy::{Head, Policy};
-pub use reconcile::{Reconcile, Reconciled};
+pub use reconcile::{Reconcile, Reconciled, Reconciliation, reconcile_uncertain};
 pub use stable_key::{StableKey, stable_key};
 pub use verdict::{Answer, Verdict};
 

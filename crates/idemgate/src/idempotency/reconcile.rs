@@ -15,11 +15,14 @@
 //! from a `200` early; a `404` then still waits out the hold, because a
 //! copy that has not committed yet may still be running.
 
+use std::time::Duration;
+
 use axum::body::Body;
 use futures_util::future::BoxFuture;
 use http::Response;
+use idemgate_store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
 
-use super::stable_key::StableKey;
+use super::stable_key::{StableKey, stable_key};
 
 /// What the upstream's status endpoint said.
 #[derive(Debug)]
@@ -37,4 +40,92 @@ pub enum Reconciled {
 pub trait Reconcile: Send + Sync + 'static {
     /// Asks once, within the implementation's own bound.
     fn ask<'a>(&'a self, key: &'a StableKey, request_id: &'a str) -> BoxFuture<'a, Reconciled>;
+}
+
+/// A status endpoint's `200`, read whole within `deadline` as the outcome
+/// to store (without its body past `cap`).
+pub(crate) async fn stored_answer(
+    answer: Response<Body>,
+    request_id: &str,
+    cap: usize,
+    deadline: Duration,
+) -> Result<StoredResponse, String> {
+    let (parts, body) = answer.into_parts();
+    let captured = tokio::time::timeout(deadline, super::body::capture(body, cap))
+        .await
+        .map_err(|_| "the status endpoint's body did not arrive in time".to_owned())?;
+    let body = match captured {
+        super::body::Captured::Whole(bytes) => Some(bytes),
+        super::body::Captured::TooLarge(..) => None,
+        super::body::Captured::Broken(cause) => return Err(cause),
+    };
+    Ok(StoredResponse {
+        status: parts.status.as_u16(),
+        headers: super::outcome::storable_headers(&parts.headers, body.is_some()),
+        body_kept: body.is_some(),
+        body: body.unwrap_or_default(),
+        request_id: request_id.to_owned(),
+    })
+}
+
+/// What an operator's reconciliation of an uncertain record found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Reconciliation {
+    /// The action ran: its answer (this status) is now the record's
+    /// outcome, replayed to every retry.
+    Recorded(u16),
+    /// The action did not run: the record stays uncertain until its hold
+    /// ends, and the next retry is forwarded (a copy that has not committed
+    /// yet may still be on its way).
+    NotRun,
+    /// The status endpoint proved nothing; the record stays uncertain.
+    Failed(String),
+    /// The record is not uncertain (any more): nothing to do.
+    NotUncertain,
+}
+
+/// Asks `reconcile` about the uncertain record `key`, as an operator does
+/// (the dashboard's reconcile action), and records its answer when the
+/// action ran — only while the record is still uncertain at the epoch that
+/// was read, so a retry that took it over meanwhile is never overwritten.
+pub async fn reconcile_uncertain(
+    store: &Store,
+    reconcile: &dyn Reconcile,
+    key: &RecordKey,
+    cap: usize,
+    deadline: Duration,
+) -> Result<Reconciliation, StoreError> {
+    let Some(record) = store.get(key).await? else {
+        return Ok(Reconciliation::NotUncertain);
+    };
+    if record.state != RecordState::Uncertain {
+        return Ok(Reconciliation::NotUncertain);
+    }
+    let request_id = idemgate_core::request_id::new_id();
+    let request_id = request_id.to_str().unwrap_or_default();
+    match reconcile.ask(&stable_key(key), request_id).await {
+        Reconciled::NotRun => Ok(Reconciliation::NotRun),
+        Reconciled::Unknown(why) => Ok(Reconciliation::Failed(why)),
+        Reconciled::Ran(answer) => {
+            let stored = match stored_answer(answer, request_id, cap, deadline).await {
+                Ok(stored) => stored,
+                Err(why) => return Ok(Reconciliation::Failed(why)),
+            };
+            let status = stored.status;
+            let recorded = store
+                .complete_reconciled(
+                    key,
+                    record.epoch,
+                    &record.fingerprint,
+                    &stored,
+                    record.expires_at_ms,
+                )
+                .await?;
+            Ok(match recorded {
+                true => Reconciliation::Recorded(status),
+                false => Reconciliation::NotUncertain,
+            })
+        }
+    }
 }
