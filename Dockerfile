@@ -1,7 +1,7 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --profile dist --bins
+RUN cargo build --profile dist --features jemalloc --bins
 
 FROM debian:bookworm-slim
 COPY --from=build /src/target/dist/idemgate /src/target/dist/demo-upstream /usr/local/bin/

@@ -26,7 +26,7 @@ command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq ng
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --profile dist -q --bins
+  cargo build --profile dist --features jemalloc -q --bins
   BIN=target/dist
 fi
 

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh >/dev/null
-cargo build --profile dist -q --example mq_bench
+cargo build --profile dist --features jemalloc -q --example mq_bench
 mkdir -p loadtest/results
 {
   echo "# MQ link: $(date -u +%FT%TZ), ${1:-5000} messages x ${2:-3} rounds, prefetch ${IDEMGATE_BENCH_PREFETCH:-32}"

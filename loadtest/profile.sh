@@ -18,7 +18,7 @@ command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq ng
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
 # IDEMGATE_BIN_DIR: profile another build (e.g. the previous commit's).
 BIN=${IDEMGATE_BIN_DIR:-target/dist}
-[ -n "${IDEMGATE_BIN_DIR:-}" ] || cargo build --profile dist -q --bins
+[ -n "${IDEMGATE_BIN_DIR:-}" ] || cargo build --profile dist --features jemalloc -q --bins
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done

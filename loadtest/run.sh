@@ -27,7 +27,7 @@ scripts/services.sh >/dev/null
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --profile dist -q --bins --example loadgen
+  cargo build --profile dist --features jemalloc -q --bins --example loadgen
   BIN=target/dist
 fi
 

@@ -13,7 +13,7 @@ cat > /tmp/idemgate-pgbench.sql <<SQL
 \set k random(1, 1000000000)
 INSERT INTO $SCHEMA.raw (k, v) VALUES (:client_id || '-' || :k, 1) ON CONFLICT DO NOTHING;
 SQL
-cargo build --profile dist --example store_bench -q
+cargo build --profile dist --features jemalloc --example store_bench -q
 echo "== pgbench: one-line INSERT … ON CONFLICT DO NOTHING, 16 clients, ${SECONDS_PER}s"
 RAW=$(pgbench -n -h 127.0.0.1 -U postgres -c 16 -j 2 -T "$SECONDS_PER" -f /tmp/idemgate-pgbench.sql test 2>/dev/null \
   | awk '/^tps = / {print int($3)}')

@@ -19,7 +19,7 @@ scripts/services.sh >/dev/null
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --profile dist -q --bins --example waiters_bench
+  cargo build --profile dist --features jemalloc -q --bins --example waiters_bench
   BIN=target/dist
 fi
 EXAMPLE=${WAITERS_BENCH:-target/dist/examples/waiters_bench}

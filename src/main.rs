@@ -4,7 +4,7 @@
 /// many small buffers per request (header maps, body frames, boxed
 /// futures); jemalloc costs the fewest instructions per request within the
 /// memory budget (the comparison is in `loadtest/README.md`).
-#[cfg(not(target_env = "msvc"))]
+#[cfg(all(feature = "jemalloc", not(target_env = "msvc")))]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
