@@ -148,6 +148,14 @@ fn print_route_table(config: &Config) {
                     c.durable_name()
                 ),
             ),
+            Some(idemgate_gateway::config::Broker::Redis) => (
+                "redis",
+                format!(
+                    "{} / {}",
+                    c.stream.as_deref().unwrap_or_default(),
+                    c.group_name()
+                ),
+            ),
             None => ("?", String::new()),
         };
         println!(

@@ -8,7 +8,7 @@ use crate::support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use support::brokers::{PrivateNats, PrivateRabbit, Queue, Stream, consumer_toml};
+use support::brokers::{PrivateNats, PrivateRabbit, Queue, RedisStream, Stream, consumer_toml};
 use support::services::{FaultProxy, Mode, postgres};
 use support::{Http, Stack, dead_port, eventually, executions};
 
@@ -789,4 +789,443 @@ async fn a_private_rabbitmq_node_restarted_mid_stream_loses_nothing_and_executes
     let keys = per_key(&stack, "rrestart");
     assert!(keys.values().all(|n| *n == 1), "{keys:?}");
     stack.shutdown().await;
+}
+
+/// `max_deliveries` is counted in the store, for every instance: a message
+/// whose upstream always fails, consumed by two gateways on one Postgres
+/// (one of them replaced midway, as a restart does), reaches the upstream
+/// exactly `max_deliveries` times in all, with `X-Delivery-Count` 1, 2, 3,
+/// 4 — a classic queue only says "redelivered" — and is dead-lettered once.
+#[tokio::test]
+async fn a_failing_message_gets_max_deliveries_attempts_across_instances_and_a_restart() {
+    let test = "a_failing_message_gets_max_deliveries_attempts_across_instances_and_a_restart";
+    let Some(queue) = Queue::new("amqp_counted").await else {
+        return;
+    };
+    let Some(db) = postgres(test).await else {
+        return;
+    };
+    let consumer = queue.consumer("pay", "/actions/down", "max_deliveries = 4\nprefetch = 1");
+    let one = Stack::start_with(&consumer, |c| c.store.database_url = db.clone()).await;
+    arm(&one, r#"{"fail_status": 503}"#).await;
+    let another = || {
+        let mut config = support::config(one.upstream.addr, &consumer);
+        config.store.database_url = db.clone();
+        idemgate_gateway::gateway::start(config)
+    };
+    let two = another().await.unwrap();
+    queue.publish(Some("fails-1"), b"{}", &[]).await;
+    let started = eventually(WAIT, || async { one.upstream.state.stats().requests >= 2 }).await;
+    assert!(started);
+    // The second gateway is replaced by a third (a restart): the count is
+    // the store's, not a process's.
+    two.shutdown().await;
+    let three = another().await.unwrap();
+    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(
+        dead,
+        "never dead-lettered: {:?}",
+        one.upstream.state.stats()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stats = one.upstream.state.stats();
+    assert_eq!(stats.requests, 4, "attempts in all: {stats:?}");
+    assert_eq!(stats.delivery_counts, vec![1, 2, 3, 4]);
+    assert_eq!(queue.ready(&queue.dlq()).await, 1, "one copy");
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    three.shutdown().await;
+    one.shutdown().await;
+}
+
+/// A redelivery of a message whose dead-letter copy is recorded (its ack
+/// was lost) is acknowledged without a second copy and never forwarded;
+/// the same key published afresh (a replay from the dead letters) is a new
+/// delivery and is tried again. (A quorum queue's `x-delivery-count`
+/// header is how a redelivery is told here.)
+#[tokio::test]
+async fn a_lost_ack_after_a_dead_letter_copy_makes_no_second_copy() {
+    let Some(queue) = Queue::new("amqp_dlq_once").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/once", "max_deliveries = 1")).await;
+    arm(&stack, r#"{"fail_status": 503, "count": 1}"#).await;
+    queue.publish(Some("d-1"), b"{}", &[]).await;
+    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(dead);
+    // The broker delivers the original again: the ack was lost.
+    queue.publish_redelivered("d-1", b"{}").await;
+    let acked = eventually(WAIT, || async {
+        metric(&stack, "pay", "duplicate").await == 1
+    })
+    .await;
+    assert!(acked, "the redelivery was not acknowledged");
+    assert_eq!(queue.ready(&queue.dlq()).await, 1, "no second copy");
+    assert_eq!(
+        stack.upstream.state.stats().requests,
+        1,
+        "never forwarded again"
+    );
+    // Replayed from the dead letters (a fresh publish): tried again.
+    queue.publish(Some("d-1"), b"{}", &[]).await;
+    let replayed = eventually(WAIT, || async { executions(&stack, "once") == 1 }).await;
+    assert!(replayed, "{:?}", stack.upstream.state.stats());
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    stack.shutdown().await;
+}
+
+/// `dead_letter = "dlx"`: a queue whose owner set a dead-letter exchange
+/// gets its dead letters routed by the broker (rejected without requeue),
+/// with RabbitMQ's `x-death` history; Idemgate declares no queue of its own.
+#[tokio::test]
+async fn dlx_mode_routes_dead_letters_through_the_queues_own_exchange() {
+    let Some(queue) = Queue::new("amqp_dlx").await else {
+        return;
+    };
+    let (exchange, dead) = (format!("{}.x", queue.name), format!("{}.dead", queue.name));
+    let owned = queue
+        .declare_with_dead_letter_exchange(&exchange, &dead)
+        .await;
+    let stack = Stack::start(&owned.consumer(
+        "pay",
+        "/actions/dlx",
+        "max_deliveries = 2\ndead_letter = \"dlx\"",
+    ))
+    .await;
+    arm(&stack, r#"{"fail_status": 503}"#).await;
+    owned.publish(Some("x-1"), b"{}", &[]).await;
+    let routed = eventually(WAIT, || async { owned.ready(&dead).await == 1 }).await;
+    assert!(routed, "{:?}", stack.upstream.state.stats());
+    assert_eq!(stack.upstream.state.stats().requests, 2);
+    assert!(
+        !owned.exists(&owned.dlq()).await,
+        "no queue of Idemgate's own"
+    );
+    let copy = owned.take(&dead).await.expect("the dead letter");
+    let headers = copy.delivery.properties.headers().clone().unwrap();
+    assert!(headers.inner().contains_key("x-death"), "{headers:?}");
+    stack.shutdown().await;
+}
+
+// === Redis Streams ===
+
+/// The same order added to the stream 50 times (a producer retrying) is
+/// executed once; every entry is acknowledged; the upstream sees the
+/// stable key.
+#[tokio::test]
+async fn redis_streams_duplicates_execute_once_and_every_entry_is_acked() {
+    let Some(stream) = RedisStream::new("redis_dup", None).await else {
+        return;
+    };
+    let consumer = stream.consumer(
+        "orders",
+        "/actions/rs",
+        r#"business_key = ["msg:header:order_id"]"#,
+    );
+    let stack = Stack::start(&consumer).await;
+    // The group starts with entries added after it exists.
+    assert!(
+        eventually(WAIT, || async {
+            metric(&stack, "orders", "forwarded").await == 0 && stream.pending("g").await == 0
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..50 {
+        stream
+            .add(&[("order_id", "o-1"), ("body", r#"{"amount":5}"#)])
+            .await;
+    }
+    let settled = eventually(WAIT, || async {
+        metric(&stack, "orders", "forwarded").await + metric(&stack, "orders", "duplicate").await
+            == 50
+    })
+    .await;
+    assert!(settled, "not every entry was acknowledged");
+    assert_eq!(executions(&stack, "rs"), 1);
+    assert_eq!(stream.pending("g").await, 0);
+    assert!(per_key(&stack, "rs").keys().all(|k| k.starts_with("ig-")));
+    stack.shutdown().await;
+    stream.delete().await;
+}
+
+/// Two gateways in one consumer group on one Postgres: 100 orders, each
+/// added twice, execute once each; both gateways take entries.
+#[tokio::test]
+async fn redis_streams_two_gateways_in_one_group_execute_each_order_once() {
+    let Some(stream) = RedisStream::new("redis_two", None).await else {
+        return;
+    };
+    let Some(db) = postgres("redis_streams_two_gateways").await else {
+        return;
+    };
+    let consumer = stream.consumer(
+        "orders",
+        "/actions/rs2",
+        r#"business_key = ["msg:header:order_id"]
+        prefetch = 4"#,
+    );
+    let one = Stack::start_with(&consumer, |c| c.store.database_url = db.clone()).await;
+    let mut config = support::config(one.upstream.addr, &consumer);
+    config.store.database_url = db.clone();
+    let two = idemgate_gateway::gateway::start(config).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..2 {
+        for i in 0..100 {
+            stream.add(&[("order_id", &format!("o-{i}"))]).await;
+        }
+    }
+    let two_metrics = format!("http://{}/metrics", two.admin_addr);
+    let settled = eventually(Duration::from_secs(30), || async {
+        let mut n = 0;
+        for outcome in ["forwarded", "duplicate"] {
+            n += metric(&one, "orders", outcome).await;
+            n += metric_at(&one.http, &two_metrics, "orders", outcome).await;
+        }
+        n == 200
+    })
+    .await;
+    assert!(settled, "not every entry was acknowledged");
+    let keys = per_key(&one, "rs2");
+    assert_eq!(keys.len(), 100);
+    assert!(keys.values().all(|n| *n == 1), "{keys:?}");
+    assert!(
+        metric_at(&one.http, &two_metrics, "orders", "forwarded").await > 0,
+        "the second gateway took nothing"
+    );
+    assert_eq!(stream.pending("g").await, 0);
+    two.shutdown().await;
+    one.shutdown().await;
+    stream.delete().await;
+}
+
+/// Poison entries (no key field) are dead-lettered at once to
+/// `<stream>.dlq` with the reason and never forwarded; an order whose
+/// upstream always fails is tried `max_deliveries` times, with
+/// `X-Delivery-Count` 1, 2, 3, then dead-lettered once.
+#[tokio::test]
+async fn redis_streams_poison_entries_and_failures_go_to_the_dead_letter_stream() {
+    let Some(stream) = RedisStream::new("redis_dlq", None).await else {
+        return;
+    };
+    let consumer = stream.consumer(
+        "orders",
+        "/actions/rsdlq",
+        "business_key = [\"msg:header:order_id\"]\nmax_deliveries = 3",
+    );
+    let stack = Stack::start(&consumer).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stream.add(&[("note", "no key here")]).await;
+    let poison = eventually(WAIT, || async { stream.dead_letters().await.len() == 1 }).await;
+    assert!(poison);
+    assert_eq!(stack.upstream.state.stats().requests, 0, "never forwarded");
+    arm(&stack, r#"{"fail_status": 503}"#).await;
+    stream.add(&[("order_id", "o-bad")]).await;
+    let dead = eventually(WAIT, || async { stream.dead_letters().await.len() == 2 }).await;
+    assert!(dead, "{:?}", stack.upstream.state.stats());
+    let stats = stack.upstream.state.stats();
+    assert_eq!(stats.requests, 3);
+    assert_eq!(stats.delivery_counts, vec![1, 2, 3]);
+    let letters = stream.dead_letters().await;
+    assert!(letters[0]["idemgate-reason"].contains("key"), "{letters:?}");
+    assert!(
+        letters[1]["idemgate-reason"].contains("failed 3 time"),
+        "{letters:?}"
+    );
+    assert_eq!(letters[1]["order_id"], "o-bad");
+    assert_eq!(stream.pending("g").await, 0);
+    stack.shutdown().await;
+    stream.delete().await;
+}
+
+/// A gateway killed (SIGKILL) after the order's outcome is recorded and
+/// before its `XACK`: the entry stays pending; another gateway claims it
+/// once it has been idle `claim_idle`, the store answers it, it is
+/// acknowledged, and the order executed once.
+#[tokio::test]
+async fn redis_streams_a_gateway_killed_before_its_ack_is_claimed_and_not_executed_again() {
+    let Some(stream) = RedisStream::new("redis_kill", None).await else {
+        return;
+    };
+    let upstream = idemgate_demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let redis_port: u16 = stream
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('/')
+        .parse()
+        .unwrap();
+    let broker = FaultProxy::start(format!("127.0.0.1:{redis_port}").parse().unwrap()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (public, admin) = (dead_port(), dead_port());
+    let consumer = consumer_toml(
+        "orders",
+        &format!("redis://127.0.0.1:{}/", broker.port),
+        &format!(
+            "stream = \"{}\"\ngroup = \"g\"\nclaim_idle = \"1s\"",
+            stream.name
+        ),
+        "/actions/rskill",
+        r#"business_key = ["msg:header:order_id"]"#,
+    );
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:{public}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n\
+         [store]\ndatabase_url = \"sqlite://{}/records.db\"\n\
+         [[upstreams]]\nname = \"demo\"\nurl = \"http://{}\"\ntimeout = \"5s\"\n{consumer}",
+        dir.path().display(),
+        upstream.addr
+    );
+    let path = dir.path().join("idemgate.toml");
+    std::fs::write(&path, text).unwrap();
+    let http = Http::default();
+    let armed = http
+        .send(
+            "POST",
+            &format!("{}/faults", upstream.url()),
+            &[],
+            r#"{"stall_body_ms": 1500, "count": 1}"#,
+        )
+        .await;
+    assert!(armed.status.is_success());
+    let mut gateway = support::spawn_gateway(&path);
+    support::wait_up(&http, &format!("http://127.0.0.1:{admin}/healthz")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stream.add(&[("order_id", "kill-1")]).await;
+    assert!(
+        eventually(WAIT, || async {
+            upstream.state.stats().total_executions == 1
+        })
+        .await
+    );
+    // Redis goes away while the body is still coming: the XACK that
+    // follows the record cannot reach it.
+    broker.set(Mode::Refuse);
+    let record = format!("http://127.0.0.1:{admin}/admin/keys/orders/kill-1");
+    let recorded = eventually(WAIT, || async {
+        let answer = http.get(&record).await;
+        answer.status.is_success() && answer.json()["records"][0]["state"] == "completed"
+    })
+    .await;
+    assert!(recorded, "the outcome was never recorded");
+    gateway.kill().unwrap();
+    gateway.wait().unwrap();
+    broker.set(Mode::Pass);
+    assert_eq!(
+        stream.pending("g").await,
+        1,
+        "left pending by the killed gateway"
+    );
+    let mut restarted = support::spawn_gateway(&path);
+    let http = Http::default();
+    support::wait_up(&http, &format!("http://127.0.0.1:{admin}/healthz")).await;
+    let metrics = format!("http://127.0.0.1:{admin}/metrics");
+    let acked = eventually(WAIT, || async {
+        metric_at(&http, &metrics, "orders", "duplicate").await == 1
+    })
+    .await;
+    assert!(
+        acked,
+        "the claimed entry was not acknowledged as a duplicate"
+    );
+    assert_eq!(upstream.state.stats().total_executions, 1);
+    assert_eq!(stream.pending("g").await, 0);
+    restarted.kill().unwrap();
+    restarted.wait().unwrap();
+    upstream.shutdown().await;
+    stream.delete().await;
+}
+
+/// A private Redis server restarted mid-stream (its data kept: the stream
+/// and the group survive, as with persistence on): consumption resumes,
+/// and each of 40 orders executes once.
+#[tokio::test]
+async fn redis_streams_a_restarted_server_loses_nothing_and_executes_each_once() {
+    let Some(mut server) = support::services::PrivateRedis::start("redis_streams_restart").await
+    else {
+        return;
+    };
+    let Some(stream) = RedisStream::new("redis_restart", Some(&server.url())).await else {
+        return;
+    };
+    let consumer = stream.consumer(
+        "orders",
+        "/actions/rsrestart",
+        r#"business_key = ["msg:header:order_id"]"#,
+    );
+    let stack = Stack::start(&consumer).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..20 {
+        stream.add(&[("order_id", &format!("r-{i}"))]).await;
+    }
+    assert!(
+        eventually(WAIT, || async {
+            metric(&stack, "orders", "forwarded").await == 20
+        })
+        .await
+    );
+    server.restart_keeping_data().await;
+    for i in 20..40 {
+        stream.add(&[("order_id", &format!("r-{i}"))]).await;
+    }
+    let all = eventually(Duration::from_secs(30), || async {
+        metric(&stack, "orders", "forwarded").await == 40
+    })
+    .await;
+    assert!(all, "{:?}", stack.upstream.state.stats());
+    let keys = per_key(&stack, "rsrestart");
+    assert_eq!(keys.len(), 40);
+    assert!(keys.values().all(|n| *n == 1));
+    stack.shutdown().await;
+}
+
+/// The store unreachable: nothing is forwarded, the entries wait (pending,
+/// never dead-lettered for it); once it is back each order executes once.
+#[tokio::test]
+async fn redis_streams_store_down_forwards_nothing_and_delivers_once_after() {
+    let Some(stream) = RedisStream::new("redis_pgdown", None).await else {
+        return;
+    };
+    let Some(db) = postgres("redis_streams_store_down").await else {
+        return;
+    };
+    let pg_port: u16 = url::Url::parse(&db).unwrap().port().unwrap_or(5432);
+    let proxy = FaultProxy::start(format!("127.0.0.1:{pg_port}").parse().unwrap()).await;
+    let through_proxy = {
+        let mut u = url::Url::parse(&db).unwrap();
+        u.set_port(Some(proxy.port)).unwrap();
+        u.to_string()
+    };
+    let consumer = stream.consumer(
+        "orders",
+        "/actions/rspg",
+        "business_key = [\"msg:header:order_id\"]\nmax_deliveries = 2",
+    );
+    let stack = Stack::start_with(&consumer, |c| {
+        c.store.database_url = through_proxy.clone();
+        c.store.timeout = "1s".into();
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.set(Mode::Refuse);
+    for i in 0..5 {
+        stream.add(&[("order_id", &format!("p-{i}"))]).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        stack.upstream.state.stats().requests,
+        0,
+        "forwarded while the store was away"
+    );
+    assert!(stream.dead_letters().await.is_empty());
+    proxy.set(Mode::Pass);
+    let done = eventually(Duration::from_secs(30), || async {
+        metric(&stack, "orders", "forwarded").await == 5
+    })
+    .await;
+    assert!(done, "{:?}", stack.upstream.state.stats());
+    let keys = per_key(&stack, "rspg");
+    assert!(keys.values().all(|n| *n == 1), "{keys:?}");
+    assert_eq!(stream.pending("g").await, 0);
+    stack.shutdown().await;
+    stream.delete().await;
 }

@@ -69,6 +69,14 @@ pub(super) fn router(state: Arc<DemoState>) -> axum::Router {
 
 async fn apply_faults(State(state): AppState, req: Request, next: Next) -> Response {
     state.count_request();
+    if let Some(count) = req
+        .headers()
+        .get("x-delivery-count")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+    {
+        state.saw_delivery_count(count);
+    }
     // Counts this request as running until its whole body has gone out,
     // and as one copy of its request (by `Idempotency-Key`).
     let running = state.clone().start_running(idempotency_key(req.headers()));

@@ -25,6 +25,8 @@ pub struct DemoState {
     http2_requests: AtomicU64,
     /// Copies of one request running at once, by its `Idempotency-Key`.
     copies: Mutex<Copies>,
+    /// Every `X-Delivery-Count` a consumer sent, in arrival order.
+    delivery_counts: Mutex<Vec<u64>>,
 }
 
 #[derive(Default)]
@@ -91,6 +93,10 @@ pub struct Stats {
     /// once: above 1, a duplicate ran beside its first copy.
     #[serde(default)]
     pub peak_copies: u64,
+    /// Every `X-Delivery-Count` received, in arrival order (an MQ
+    /// consumer's count of its attempts).
+    #[serde(default)]
+    pub delivery_counts: Vec<u64>,
 }
 
 /// The answer of a state transition.
@@ -146,7 +152,20 @@ impl DemoState {
             peak_running: self.peak_running.load(Ordering::SeqCst),
             http2_requests: self.http2_requests.load(Ordering::Relaxed),
             peak_copies: self.copies.lock().unwrap_or_else(|p| p.into_inner()).peak,
+            delivery_counts: self
+                .delivery_counts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
         }
+    }
+
+    /// Notes a consumer's `X-Delivery-Count`.
+    pub(super) fn saw_delivery_count(&self, count: u64) {
+        self.delivery_counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(count);
     }
 
     /// Counts a request that arrived over HTTP/2.
@@ -161,6 +180,10 @@ impl DemoState {
         self.peak_running.store(0, Ordering::SeqCst);
         self.http2_requests.store(0, Ordering::Relaxed);
         self.copies.lock().unwrap_or_else(|p| p.into_inner()).peak = 0;
+        self.delivery_counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 
     /// A non-idempotent action: executes every time; returns the count.

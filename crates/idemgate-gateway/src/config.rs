@@ -26,7 +26,7 @@ mod consumer;
 mod options;
 mod plan;
 mod validate;
-pub use consumer::{Broker, ConsumerConfig};
+pub use consumer::{Broker, ConsumerConfig, DEAD_LETTER_EXCHANGE};
 pub use plan::{AdminToken, Plan, PolicyPlan, RoutePlan};
 
 /// Where `serve`, `demo` and `check-config` look when `--config` is absent.

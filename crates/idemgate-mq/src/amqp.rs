@@ -28,21 +28,22 @@ use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicPublishOptions, BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{Deliverer, Message, Verdict, keep_connected, redact};
+use super::{DeadLetters, Deliverer, Message, Verdict, keep_connected, redact};
 
 /// Runs the consumer until `stop`, reconnecting with backoff.
 pub(super) async fn run(
     d: Arc<Deliverer>,
     url: String,
     queue: String,
-    dead_letters: String,
+    dead_letters: DeadLetters,
     stop: CancellationToken,
 ) {
     let (d, url, queue, dead_letters, stop) = (&d, &url, &queue, &dead_letters, &stop);
@@ -59,7 +60,7 @@ async fn session(
     d: &Arc<Deliverer>,
     url: &str,
     queue: &str,
-    dead_letters: &str,
+    dead_letters: &DeadLetters,
     stop: &CancellationToken,
 ) -> Result<(), lapin::Error> {
     let settings = d.settings();
@@ -83,13 +84,15 @@ async fn session(
             FieldTable::default(),
         )
         .await?;
-    channel
-        .queue_declare(
-            dead_letters.into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await?;
+    if let DeadLetters::Queue(name) = dead_letters {
+        channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
     let tag = format!("idemgate-{}-{}", settings.name, uuid::Uuid::new_v4());
     let mut consumer = channel
         .basic_consume(
@@ -117,7 +120,7 @@ async fn session(
                     let d = d.clone();
                     let channel = channel.clone();
                     let session = session.clone();
-                    let dead_letters = dead_letters.to_owned();
+                    let dead_letters = dead_letters.clone();
                     running.spawn(async move { handle(&d, &channel, &dead_letters, delivery, &session).await });
                 }
                 Some(Err(e)) => break Err(e),
@@ -154,17 +157,25 @@ async fn session(
 async fn handle(
     d: &Deliverer,
     channel: &Channel,
-    dead_letters: &str,
+    dead_letters: &DeadLetters,
     delivery: Delivery,
     stop: &CancellationToken,
 ) {
     let message = to_message(&delivery);
     let verdict = d.decide(&message, stop, || async {}).await;
-    let done = match &verdict {
-        Verdict::Ack(_) => acked(delivery.ack(BasicAckOptions::default()).await),
-        Verdict::Retry(delay) | Verdict::Wait(delay) => requeue(&delivery, *delay, stop).await,
-        Verdict::DeadLetter(reason) => {
-            match dead_letter(d, channel, dead_letters, &delivery, reason).await {
+    let done = match (&verdict, dead_letters) {
+        (Verdict::Ack(_), _) => acked(delivery.ack(BasicAckOptions::default()).await),
+        (Verdict::Retry(delay) | Verdict::Wait(delay), _) => requeue(&delivery, *delay, stop).await,
+        // The queue's owner routes dead letters: a rejection without
+        // requeue hands it to the queue's dead-letter exchange, with its
+        // `x-death` history (the reason is in the log, where the deliverer
+        // wrote it). A rejection lost with the connection is repeated on
+        // the redelivery: the broker dead-letters only what it took.
+        (Verdict::DeadLetter(_), DeadLetters::Dlx) => {
+            acked(delivery.reject(BasicRejectOptions { requeue: false }).await)
+        }
+        (Verdict::DeadLetter(reason), DeadLetters::Queue(dead_letters)) => {
+            match dead_letter(d, channel, dead_letters, &delivery, &message, reason).await {
                 Ok(()) => Ok(()),
                 Err(e) => {
                     // The copy is not stored: the original stays, and comes
@@ -217,6 +228,7 @@ async fn dead_letter(
     channel: &Channel,
     dead_letters: &str,
     delivery: &Delivery,
+    message: &Message,
     reason: &str,
 ) -> Result<(), String> {
     let failed = |e: lapin::Error| e.to_string();
@@ -261,6 +273,9 @@ async fn dead_letter(
             "the dead-letter queue {dead_letters:?} does not exist"
         ));
     }
+    // Recorded before the ack: if the ack is lost, the redelivery is
+    // acknowledged without a second copy, on any instance.
+    d.dead_lettered(message).await;
     acked(delivery.ack(BasicAckOptions::default()).await)
 }
 
@@ -303,11 +318,6 @@ fn dead_letter_properties(original: &BasicProperties, headers: FieldTable) -> Ba
         p = p.with_cluster_id(v.clone());
     }
     p
-}
-
-/// Where a queue's dead letters go unless `dead_letter` says otherwise.
-pub fn default_dead_letter_queue(queue: &str) -> String {
-    format!("{queue}.dlq")
 }
 
 fn to_message(delivery: &Delivery) -> Message {

@@ -1,4 +1,4 @@
-//! The MQ link (docs/semantics.md, "Queues"): consume from RabbitMQ or NATS JetStream and
+//! The MQ link (docs/semantics.md, "Queues"): consume from RabbitMQ, NATS JetStream or Redis Streams and
 //! deliver each message to an upstream over HTTP once.
 //!
 //! A broker delivers at least once: a failover, or a consumer killed before
@@ -19,18 +19,18 @@
 //! - a message without a usable key, too large, or whose key was first used
 //!   for a different body: dead-lettered at once, never forwarded.
 //!
-//! `amqp` and `nats` own the broker connections: consuming, acks,
+//! `amqp`, `nats` and `redis_streams` own the broker connections: consuming, acks,
 //! dead-letter publishing, reconnecting with backoff, and the graceful stop.
 
+#[cfg(feature = "amqp")]
 mod amqp;
 pub mod key;
+#[cfg(feature = "nats")]
 mod nats;
+#[cfg(feature = "redis-streams")]
+mod redis_streams;
 
-pub use amqp::default_dead_letter_queue;
-pub use nats::default_dead_letter_subject;
-
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -72,11 +72,11 @@ pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
 /// Where a consumer reads from.
 #[derive(Debug, Clone)]
 pub enum Source {
-    /// A RabbitMQ queue, and the queue its dead letters go to.
+    /// A RabbitMQ queue, and where its dead letters go.
     Amqp {
         url: String,
         queue: String,
-        dead_letter: String,
+        dead_letter: DeadLetters,
     },
     /// A durable pull consumer of a JetStream stream, and the subject its
     /// dead letters go to.
@@ -86,6 +86,68 @@ pub enum Source {
         durable: String,
         dead_letter: String,
     },
+    /// A consumer group of a Redis stream.
+    Redis(StreamSource),
+}
+
+/// Where a RabbitMQ queue's dead letters go unless `dead_letter` says
+/// otherwise.
+pub fn default_dead_letter_queue(queue: &str) -> String {
+    format!("{queue}.dlq")
+}
+
+/// Where a JetStream stream's dead letters go unless `dead_letter` says
+/// otherwise.
+pub fn default_dead_letter_subject(stream: &str) -> String {
+    format!("{stream}.dlq")
+}
+
+/// Where a Redis stream's dead letters go unless `dead_letter` says
+/// otherwise.
+pub fn default_dead_letter_stream(stream: &str) -> String {
+    format!("{stream}.dlq")
+}
+
+/// What one Redis Streams consumer reads.
+#[derive(Debug, Clone)]
+pub struct StreamSource {
+    /// `redis://…` or `rediss://…`.
+    pub url: String,
+    /// The stream.
+    pub stream: String,
+    /// The consumer group.
+    pub group: String,
+    /// Entries pending longer than this on any consumer are claimed.
+    pub claim_idle: Duration,
+    /// The stream dead letters are added to.
+    pub dead_letter: String,
+}
+
+/// Where a RabbitMQ consumer's dead letters go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadLetters {
+    /// A copy to this queue of Idemgate's own, published with confirms,
+    /// the reason as a header; the original is acknowledged after.
+    Queue(String),
+    /// Rejected without requeue: the broker routes it to the queue's own
+    /// dead-letter exchange (its owner's policy or `x-dead-letter-exchange`)
+    /// with its `x-death` history. Without one the broker drops it.
+    Dlx,
+}
+
+impl Source {
+    /// Whether a dead letter is a copy Idemgate publishes (recorded in the
+    /// store, so a redelivery after a lost ack makes no second one) rather
+    /// than a rejection the broker routes.
+    pub fn copies_dead_letters(&self) -> bool {
+        !matches!(
+            self,
+            Source::Amqp {
+                dead_letter: DeadLetters::Dlx,
+                ..
+            }
+        )
+    }
 }
 
 /// One consumer's settings.
@@ -171,19 +233,11 @@ pub struct Deliverer {
     engine: Engine,
     proxy: Proxy,
     counters: Arc<ConsumerCounters>,
-    /// Failed upstream attempts per key, in this process. Store outages
-    /// and copies in flight elsewhere do not count: only attempts that
-    /// reached for the upstream bring a message nearer the dead letters.
-    failures: Mutex<HashMap<String, u32>>,
 }
 
 /// How long a delivery is tried again in this process (store outage,
 /// copy in flight elsewhere) before it goes back to the broker.
 pub const MAX_IN_PROCESS_WAIT: Duration = Duration::from_secs(300);
-
-/// Most keys with failures remembered at once; past it the counts start
-/// over (a poison message then gets more attempts, never fewer).
-const MAX_TRACKED_FAILURES: usize = 100_000;
 
 impl Deliverer {
     /// A deliverer over an engine whose route is the consumer's name and a
@@ -199,7 +253,6 @@ impl Deliverer {
             engine,
             proxy,
             counters,
-            failures: Mutex::default(),
         }
     }
 
@@ -258,13 +311,36 @@ impl Deliverer {
                 return Verdict::DeadLetter(format!("no usable business key: {e}"));
             }
         };
+        // A redelivery: how it went before, on any instance, is in the
+        // store (failed attempts only: store outages and copies in flight
+        // elsewhere do not bring a message nearer the dead letters). A
+        // fresh delivery — most messages — never reads it.
+        let fresh = message.delivery_count <= 1;
+        let (failures, dead_lettered) = match fresh {
+            true => (0, false),
+            false => match self
+                .engine
+                .store()
+                .sql()
+                .delivery(&self.settings.name, &key)
+                .await
+            {
+                Ok(found) => found,
+                // Fail closed: nothing is forwarded while the store is away.
+                Err(_) => return Verdict::Wait(self.settings.retry_delay),
+            },
+        };
+        // Its dead-letter copy is stored and the ack was lost: done, and
+        // no second copy.
+        if dead_lettered && self.settings.source.copies_dead_letters() {
+            return Verdict::Ack(MessageOutcome::Duplicate);
+        }
         // Out of attempts already (its dead-letter copy failed before):
         // straight to the dead letters, not upstream again.
-        let failures = self.failures_of(&key);
         if failures >= self.settings.max_deliveries {
             return Verdict::DeadLetter(format!("the upstream failed {failures} time(s)"));
         }
-        let request = self.request(message);
+        let request = self.request(message, failures + 1);
         // The same message whenever its key is: a broker's redelivery or a
         // producer's re-publish with a new timestamp is not a new message.
         let values = message_match_values(&self.settings.must_match, message);
@@ -290,7 +366,9 @@ impl Deliverer {
             .handle(policy, self.proxy.clone(), request)
             .await;
         let response = answer.response;
-        let verdict = self.judge(&key, answer.verdict, response.status());
+        let verdict = self
+            .judge(&key, fresh, answer.verdict, response.status())
+            .await;
         match &verdict {
             Verdict::Ack(_) | Verdict::Wait(_) => {}
             Verdict::DeadLetter(reason) => {
@@ -303,11 +381,7 @@ impl Deliverer {
         verdict
     }
 
-    /// Counts a verdict once the broker carried it out, or an error. A
-    /// message's failure count is forgotten only once it is acknowledged
-    /// or its dead-letter copy is stored: a dead letter that failed keeps
-    /// its count, so the next delivery goes to the dead letters again, not
-    /// upstream.
+    /// Counts a verdict once the broker carried it out, or an error.
     pub fn settled(&self, message: &Message, verdict: &Verdict, broker: Result<(), String>) {
         let outcome = match (verdict, broker) {
             (_, Err(e)) => {
@@ -318,17 +392,31 @@ impl Deliverer {
             (Verdict::Retry(_) | Verdict::Wait(_), Ok(())) => MessageOutcome::Retried,
             (Verdict::DeadLetter(_), Ok(())) => MessageOutcome::DeadLettered,
         };
-        if matches!(
-            outcome,
-            MessageOutcome::Forwarded | MessageOutcome::Duplicate | MessageOutcome::DeadLettered
-        ) && let Ok(key) = self.key_of(message)
-        {
-            self.forget(key);
-        }
+        let _ = message;
         self.counters.record(outcome);
     }
 
-    fn request(&self, message: &Message) -> Request<Body> {
+    /// Says, for every instance, that `message`'s dead-letter copy is
+    /// stored: a redelivery (its ack was lost) is then acknowledged without
+    /// a second copy. Best effort: without it a redelivery makes a second
+    /// copy, never a lost message.
+    pub async fn dead_lettered(&self, message: &Message) {
+        let Ok(key) = self.key_of(message) else {
+            return;
+        };
+        if let Err(e) = self
+            .engine
+            .store()
+            .sql()
+            .mark_dead_lettered(&self.settings.name, key)
+            .await
+        {
+            tracing::warn!(consumer = %self.settings.name, key = %key_ref(key), error = %e, layer = "consumer", "the dead-letter copy is stored but could not be recorded; a redelivery would make a second copy");
+        }
+    }
+
+    /// The request for `message`'s `attempt`-th delivery to the upstream.
+    fn request(&self, message: &Message, attempt: u32) -> Request<Body> {
         let mut request = Request::new(Body::from(message.body.clone()));
         *request.method_mut() = Method::POST;
         *request.uri_mut() = http::Uri::from(self.settings.path.clone());
@@ -350,18 +438,24 @@ impl Deliverer {
         if let Ok(topic) = HeaderValue::from_bytes(message.topic.as_bytes()) {
             headers.insert(X_TOPIC, topic);
         }
-        headers.insert(
-            X_DELIVERY_COUNT,
-            HeaderValue::from(message.delivery_count.max(1)),
-        );
+        // The upstream's own count: attempts that reached it, on any
+        // instance (a broker's redelivered flag says only "not the first").
+        headers.insert(X_DELIVERY_COUNT, HeaderValue::from(attempt));
         if let Ok(id) = HeaderValue::from_str(&uuid::Uuid::now_v7().to_string()) {
             headers.insert(idemgate_core::request_id::X_REQUEST_ID, id);
         }
         request
     }
 
-    /// What the broker is told, from what the engine did.
-    fn judge(&self, key: &str, verdict: EngineVerdict, status: StatusCode) -> Verdict {
+    /// What the broker is told, from what the engine did; a failed
+    /// upstream attempt is counted in the store, for every instance.
+    async fn judge(
+        &self,
+        key: &str,
+        fresh: bool,
+        verdict: EngineVerdict,
+        status: StatusCode,
+    ) -> Verdict {
         let wait = Verdict::Wait(self.settings.retry_delay);
         match verdict {
             // Acknowledged only once the outcome is durable (or was, for a
@@ -393,7 +487,18 @@ impl Deliverer {
             }
             _ => {}
         }
-        let failures = self.count_failure(key);
+        let failures = match self
+            .engine
+            .store()
+            .sql()
+            .count_delivery_failure(&self.settings.name, key, fresh)
+            .await
+        {
+            Ok(failures) => failures,
+            // Not counted (the store went away): delivered again; the
+            // next failure is counted.
+            Err(_) => return Verdict::Retry(self.settings.retry_delay),
+        };
         if failures >= self.settings.max_deliveries {
             return Verdict::DeadLetter(format!(
                 "the upstream failed {failures} time(s), the last with {}",
@@ -403,36 +508,10 @@ impl Deliverer {
         Verdict::Retry(self.settings.retry_delay)
     }
 
-    fn count_failure(&self, key: &str) -> u32 {
-        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        if failures.len() >= MAX_TRACKED_FAILURES && !failures.contains_key(key) {
-            failures.clear();
-        }
-        let count = failures.entry(key.to_owned()).or_default();
-        *count += 1;
-        *count
-    }
-
     fn key_of<'m>(&self, message: &'m Message) -> &'m Result<String, idemgate::callback::KeyError> {
         message
             .key
             .get_or_init(|| message_key(&self.settings.sources, message))
-    }
-
-    fn failures_of(&self, key: &str) -> u32 {
-        self.failures
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(key)
-            .copied()
-            .unwrap_or(0)
-    }
-
-    fn forget(&self, key: &str) {
-        self.failures
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(key);
     }
 }
 
@@ -483,17 +562,28 @@ impl Consumers {
                 let signal = stop.clone();
                 tokio::spawn(async move {
                     match d.settings().source.clone() {
+                        #[cfg(feature = "amqp")]
                         Source::Amqp {
                             url,
                             queue,
                             dead_letter,
                         } => amqp::run(d, url, queue, dead_letter, signal).await,
+                        #[cfg(feature = "nats")]
                         Source::Nats {
                             url,
                             stream,
                             durable,
                             dead_letter,
                         } => nats::run(d, url, stream, durable, dead_letter, signal).await,
+                        #[cfg(feature = "redis-streams")]
+                        Source::Redis(source) => redis_streams::run(d, source, signal).await,
+                        #[allow(unreachable_patterns)]
+                        other => tracing::error!(
+                            consumer = %d.settings().name,
+                            source = ?other,
+                            layer = "consumer",
+                            "this build has no client for the consumer's broker (a cargo feature of idemgate-mq is off)"
+                        ),
                     }
                 })
             })

@@ -250,6 +250,9 @@ async fn dead_letter(
     js.publish_with_headers(subject.to_owned(), headers, message.payload.clone())
         .await?
         .await?;
+    // Recorded before the ack (JetStream's de-duplication also drops a
+    // second copy within its window; the record holds past it).
+    d.dead_lettered(&to_message(message)).await;
     message.double_ack().await
 }
 
@@ -258,11 +261,6 @@ fn sanitize(text: &str) -> String {
     text.chars()
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect()
-}
-
-/// Where a stream's dead letters go unless `dead_letter` says otherwise.
-pub fn default_dead_letter_subject(stream: &str) -> String {
-    format!("{stream}.dlq")
 }
 
 /// Whether a stream subject pattern (`a.*.c`, `a.>`) captures `subject`.

@@ -32,7 +32,7 @@ struct Source {
 }
 
 #[cfg(feature = "postgres")]
-const POSTGRES: [Source; 4] = [
+const POSTGRES: [Source; 5] = [
     Source {
         version: 1,
         description: "records",
@@ -53,10 +53,15 @@ const POSTGRES: [Source; 4] = [
         description: "uncertain_log",
         sql: include_str!("../migrations/postgres/0004_uncertain_log.sql"),
     },
+    Source {
+        version: 5,
+        description: "deliveries",
+        sql: include_str!("../migrations/postgres/0005_deliveries.sql"),
+    },
 ];
 
 #[cfg(feature = "sqlite")]
-const SQLITE: [Source; 4] = [
+const SQLITE: [Source; 5] = [
     Source {
         version: 1,
         description: "records",
@@ -76,6 +81,11 @@ const SQLITE: [Source; 4] = [
         version: 4,
         description: "uncertain_log",
         sql: include_str!("../migrations/sqlite/0004_uncertain_log.sql"),
+    },
+    Source {
+        version: 5,
+        description: "deliveries",
+        sql: include_str!("../migrations/sqlite/0005_deliveries.sql"),
     },
 ];
 

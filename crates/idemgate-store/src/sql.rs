@@ -495,6 +495,58 @@ impl SqlStore {
             .collect()
     }
 
+    /// A consumed message's failed upstream attempts and whether its
+    /// dead-letter copy is stored (`0`, `false` when it never failed).
+    pub async fn delivery(&self, route: &str, key: &str) -> Result<(u32, bool), StoreError> {
+        let statement = self.sql().select_delivery.as_str();
+        let row: Option<(i64, bool)> = self
+            .bounded("delivery", async {
+                with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).fetch_optional(pool).await
+                    .and_then(|row| row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).transpose()))
+            })
+            .await?;
+        Ok(row.map_or((0, false), |(failures, dead)| {
+            (u32::try_from(failures).unwrap_or(u32::MAX), dead)
+        }))
+    }
+
+    /// Counts a failed upstream attempt of a consumed message, for every
+    /// instance; `first`: the broker delivered it fresh (a new publish),
+    /// so the count starts over. The failures so far.
+    pub async fn count_delivery_failure(
+        &self,
+        route: &str,
+        key: &str,
+        first: bool,
+    ) -> Result<u32, StoreError> {
+        let statement = self.sql().count_delivery_failure.as_str();
+        let failures: i64 = self
+            .bounded("delivery", async {
+                with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).bind(first)
+                    .fetch_one(pool).await.and_then(|r| r.try_get(0)))
+            })
+            .await?;
+        Ok(u32::try_from(failures).unwrap_or(u32::MAX))
+    }
+
+    /// Says a consumed message's dead-letter copy is stored.
+    pub async fn mark_dead_lettered(&self, route: &str, key: &str) -> Result<(), StoreError> {
+        let statement = self.sql().mark_dead_lettered.as_str();
+        self.bounded("delivery", async {
+            with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).execute(pool).await.map(|_| ()))
+        })
+        .await
+    }
+
+    /// Forgets delivery rows untouched since `before_ms`.
+    pub async fn trim_deliveries(&self, before_ms: i64) -> Result<u64, StoreError> {
+        let statement = self.sql().trim_deliveries.as_str();
+        self.bounded("trim", async {
+            with_pool!(self, pool => sqlx::query(statement).bind(before_ms).execute(pool).await.map(|r| r.rows_affected()))
+        })
+        .await
+    }
+
     /// Forgets uncertain-log entries older than `before_ms`.
     pub async fn trim_uncertain_log(&self, before_ms: i64) -> Result<u64, StoreError> {
         let statement = self.sql().trim_uncertain_log.as_str();

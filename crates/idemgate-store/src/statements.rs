@@ -36,6 +36,16 @@ pub(super) struct Statements {
     pub select_uncertain: String,
     /// Forgets uncertain-log entries logged before `$1` (ms).
     pub trim_uncertain_log: String,
+    /// `$1 route, $2 key`: a message's failed attempts and whether its
+    /// dead-letter copy is stored.
+    pub select_delivery: String,
+    /// `$1 route, $2 key, $3 first`: counts a failed attempt (the first of
+    /// a fresh delivery starts the count over) → the failures so far.
+    pub count_delivery_failure: String,
+    /// `$1 route, $2 key`: its dead-letter copy is stored.
+    pub mark_dead_lettered: String,
+    /// Forgets delivery rows untouched since `$1` (ms).
+    pub trim_deliveries: String,
     /// `$1..$3` key, `$4 epoch, $5 status, $6 headers, $7 body, $8
     /// body_kept, $9 request id` → the retention left, in ms, and whether a
     /// duplicate is waiting.
@@ -194,6 +204,24 @@ impl Statements {
                  ORDER BY updated_at DESC",
             ),
             trim_uncertain_log: "DELETE FROM idempotency_uncertain WHERE marked_at < $1".to_owned(),
+            select_delivery: "SELECT failures, dead_letter FROM idempotency_deliveries \
+                 WHERE route = $1 AND idem_key = $2"
+                .to_owned(),
+            count_delivery_failure: fill(
+                "INSERT INTO idempotency_deliveries (route, idem_key, failures, dead_letter, updated_at) \
+                 VALUES ($1, $2, 1, FALSE, {now}) \
+                 ON CONFLICT (route, idem_key) DO UPDATE SET \
+                   failures = CASE WHEN $3 THEN 1 ELSE idempotency_deliveries.failures + 1 END, \
+                   dead_letter = CASE WHEN $3 THEN FALSE ELSE idempotency_deliveries.dead_letter END, \
+                   updated_at = {now} \
+                 RETURNING failures",
+            ),
+            mark_dead_lettered: fill(
+                "INSERT INTO idempotency_deliveries (route, idem_key, failures, dead_letter, updated_at) \
+                 VALUES ($1, $2, 0, TRUE, {now}) \
+                 ON CONFLICT (route, idem_key) DO UPDATE SET dead_letter = TRUE, updated_at = {now}",
+            ),
+            trim_deliveries: "DELETE FROM idempotency_deliveries WHERE updated_at < $1".to_owned(),
             select_by_route_key: fill(
                 "SELECT {columns}, {now} FROM idempotency_records \
                  WHERE route = $1 AND idem_key = $2 ORDER BY scope",

@@ -96,6 +96,9 @@ pub fn spawn(
             if let Err(e) = sql.trim_uncertain_log(before).await {
                 tracing::debug!(error = %e, layer = "sql", "trimming the uncertain log failed; will retry");
             }
+            if let Err(e) = sql.trim_deliveries(before).await {
+                tracing::debug!(error = %e, layer = "sql", "trimming the delivery counts failed; will retry");
+            }
         }
     })
 }

@@ -106,6 +106,90 @@ impl Queue {
         assert!(confirm.is_ack(), "the broker refused a test message");
     }
 
+    /// Another queue on the same connection, declared with a dead-letter
+    /// exchange (`exchange`, fanout) bound to the queue `dead`: a queue
+    /// whose owner routes its dead letters.
+    pub async fn declare_with_dead_letter_exchange(&self, exchange: &str, dead: &str) -> Queue {
+        use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+        self.channel
+            .exchange_declare(
+                exchange.into(),
+                lapin::ExchangeKind::Fanout,
+                ExchangeDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        self.declare(dead).await;
+        self.channel
+            .queue_bind(
+                dead.into(),
+                exchange.into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let name = format!("{}.owned", self.name);
+        let mut arguments = FieldTable::default();
+        arguments.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(LongString::from(exchange.to_owned())),
+        );
+        self.channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions::durable(),
+                arguments,
+            )
+            .await
+            .unwrap();
+        // Its own connection, without declaring it again (other arguments
+        // would be refused).
+        let connection = Connection::connect(&self.url, ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        Queue {
+            url: self.url.clone(),
+            name,
+            channel,
+            _connection: connection,
+        }
+    }
+
+    /// Publishes `id` as a quorum queue delivers a message the second
+    /// time: with `x-delivery-count: 1` (an integer), which is how a
+    /// redelivery is told apart from a fresh publish.
+    pub async fn publish_redelivered(&self, id: &str, body: &[u8]) {
+        let mut table = FieldTable::default();
+        table.insert("x-delivery-count".into(), AMQPValue::LongLongInt(1));
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into())
+            .with_message_id(id.into())
+            .with_headers(table);
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                self.name.as_str().into(),
+                BasicPublishOptions::default(),
+                body,
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+    }
+
     /// Messages ready in a queue (not those delivered and unacked).
     pub async fn ready(&self, queue: &str) -> u32 {
         // A channel of its own: a passive declare of a missing queue
@@ -499,5 +583,121 @@ impl PrivateRabbit {
 impl Drop for PrivateRabbit {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A stream of this test's own on a Redis server (the shared one unless
+/// `url` says otherwise).
+pub struct RedisStream {
+    pub url: String,
+    pub name: String,
+    client: redis::Client,
+}
+
+impl RedisStream {
+    /// A fresh stream name on the shared Redis (or `url`), or `None` after
+    /// saying by name that `test` was skipped.
+    pub async fn new(test: &str, url: Option<&str>) -> Option<RedisStream> {
+        let url = url.map(str::to_owned).unwrap_or_else(|| {
+            std::env::var("IDEMGATE_TEST_REDIS_URL")
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into())
+        });
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let reachable = tokio::time::timeout(
+            Duration::from_secs(3),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .is_ok_and(|c| c.is_ok());
+        if !reachable {
+            super::services::missing("Redis", test, "cannot connect");
+            return None;
+        }
+        Some(RedisStream {
+            name: format!("t.{test}.{}", uuid::Uuid::now_v7().simple()),
+            url,
+            client,
+        })
+    }
+
+    async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        self.client
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    /// `XADD` an entry with these fields; its id.
+    pub async fn add(&self, fields: &[(&str, &str)]) -> String {
+        let mut add = redis::cmd("XADD");
+        add.arg(&self.name).arg("*");
+        for (k, v) in fields {
+            add.arg(*k).arg(*v);
+        }
+        add.query_async(&mut self.conn().await).await.unwrap()
+    }
+
+    /// Entries delivered to the group and not acknowledged.
+    pub async fn pending(&self, group: &str) -> u64 {
+        let reply: redis::Value = redis::cmd("XPENDING")
+            .arg(&self.name)
+            .arg(group)
+            .query_async(&mut self.conn().await)
+            .await
+            .unwrap_or(redis::Value::Nil);
+        match reply {
+            redis::Value::Array(items) => match items.first() {
+                Some(redis::Value::Int(n)) => *n as u64,
+                _ => 0,
+            },
+            _ => 0,
+        }
+    }
+
+    /// The dead-letter stream's entries, each as its fields.
+    pub async fn dead_letters(&self) -> Vec<std::collections::BTreeMap<String, String>> {
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(format!("{}.dlq", self.name))
+            .arg("-")
+            .arg("+")
+            .query_async(&mut self.conn().await)
+            .await
+            .unwrap();
+        reply
+            .ids
+            .iter()
+            .map(|id| {
+                id.map
+                    .iter()
+                    .map(|(k, v)| {
+                        let text = match v {
+                            redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                            other => format!("{other:?}"),
+                        };
+                        (k.clone(), text)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The consumer TOML for this stream.
+    pub fn consumer(&self, name: &str, path: &str, extra: &str) -> String {
+        consumer_toml(
+            name,
+            &self.url,
+            &format!("stream = \"{}\"\ngroup = \"g\"", self.name),
+            path,
+            extra,
+        )
+    }
+
+    /// Deletes the stream and its dead letters.
+    pub async fn delete(&self) {
+        let _: Result<(), _> = redis::cmd("DEL")
+            .arg(&self.name)
+            .arg(format!("{}.dlq", self.name))
+            .query_async(&mut self.conn().await)
+            .await;
     }
 }

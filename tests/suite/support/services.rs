@@ -82,12 +82,32 @@ pub async fn redis(test: &str) -> Option<(String, String)> {
 pub struct PrivateRedis {
     pub port: u16,
     child: Child,
+    dir: tempfile::TempDir,
 }
 
 impl PrivateRedis {
     pub async fn start(test: &str) -> Option<PrivateRedis> {
         let port = super::dead_port();
-        let child = Command::new("redis-server")
+        let dir = tempfile::tempdir().unwrap();
+        let child = match Self::spawn(port, dir.path()) {
+            Ok(child) => child,
+            Err(e) => {
+                missing("Redis", test, &format!("redis-server: {e}"));
+                return None;
+            }
+        };
+        let redis = PrivateRedis { port, child, dir };
+        if redis.wait_up().await {
+            return Some(redis);
+        }
+        missing("Redis", test, "private redis-server did not start");
+        None
+    }
+
+    /// No snapshots of its own: the data lives in memory until
+    /// [`PrivateRedis::restart_keeping_data`] saves it.
+    fn spawn(port: u16, dir: &std::path::Path) -> std::io::Result<Child> {
+        Command::new("redis-server")
             .args([
                 "--port",
                 &port.to_string(),
@@ -97,26 +117,39 @@ impl PrivateRedis {
                 "",
                 "--appendonly",
                 "no",
+                "--dir",
             ])
+            .arg(dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .spawn();
-        let child = match child {
-            Ok(child) => child,
-            Err(e) => {
-                missing("Redis", test, &format!("redis-server: {e}"));
-                return None;
-            }
-        };
-        let redis = PrivateRedis { port, child };
+            .spawn()
+    }
+
+    async fn wait_up(&self) -> bool {
         for _ in 0..100 {
-            if redis.ping().await {
-                return Some(redis);
+            if self.ping().await {
+                return true;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        missing("Redis", test, "private redis-server did not start");
-        None
+        false
+    }
+
+    /// `SAVE`, `kill -9`, and a new server on the same port that loads the
+    /// snapshot: every client's connection breaks, nothing is lost.
+    pub async fn restart_keeping_data(&mut self) {
+        let client = redis::Client::open(self.url().as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("SAVE")
+            .query_async::<()>(&mut conn)
+            .await
+            .unwrap();
+        self.kill();
+        self.child = Self::spawn(self.port, self.dir.path()).unwrap();
+        assert!(
+            self.wait_up().await,
+            "the private redis-server did not come back"
+        );
     }
 
     pub fn url(&self) -> String {

@@ -9,6 +9,9 @@ use idemgate_mq::{DEFAULT_MESSAGE_KEY, MessageKeySource};
 const DEFAULT_PREFETCH: u16 = 32;
 const DEFAULT_MAX_DELIVERIES: u32 = 10;
 const DEFAULT_RETRY_DELAY: &str = "1s";
+/// Redis Streams: entries pending this long on a consumer are claimed by
+/// another (that consumer is taken for dead).
+const DEFAULT_CLAIM_IDLE: &str = "30s";
 
 /// `[[consumers]]`: one queue (RabbitMQ) or durable consumer of a stream
 /// (NATS JetStream).
@@ -17,16 +20,24 @@ const DEFAULT_RETRY_DELAY: &str = "1s";
 pub struct ConsumerConfig {
     /// Names the consumer in logs and metrics, and scopes its records.
     pub name: String,
-    /// `amqp://` / `amqps://` (RabbitMQ) or `nats://` / `tls://` (JetStream).
+    /// `amqp://` / `amqps://` (RabbitMQ), `nats://` / `tls://` (JetStream)
+    /// or `redis://` / `rediss://` (Redis Streams).
     pub source: String,
     /// AMQP: the queue.
     pub queue: Option<String>,
-    /// NATS: the stream.
+    /// NATS, Redis: the stream.
     pub stream: Option<String>,
     /// NATS: the durable consumer's name (default: the consumer's name).
     pub durable: Option<String>,
-    /// Where dead letters go: AMQP a queue (default `<queue>.dlq`), NATS a
-    /// subject (default `<stream>.dlq`).
+    /// Redis: the consumer group (default: the consumer's name).
+    pub group: Option<String>,
+    /// Redis: entries pending this long on a consumer are claimed by
+    /// another (default 30 s).
+    #[serde(default = "default_claim_idle")]
+    pub claim_idle: HumanDuration,
+    /// Where dead letters go: AMQP a queue (default `<queue>.dlq`) or
+    /// `"dlx"` (the queue's own dead-letter exchange), NATS a subject
+    /// (default `<stream>.dlq`), Redis a stream (default `<stream>.dlq`).
     pub dead_letter: Option<String>,
     pub upstream: String,
     /// Each message is POSTed here.
@@ -55,6 +66,8 @@ pub enum Broker {
     Amqp,
     /// NATS JetStream.
     Nats,
+    /// Redis Streams.
+    Redis,
 }
 
 impl ConsumerConfig {
@@ -64,6 +77,7 @@ impl ConsumerConfig {
         match scheme.as_str() {
             "amqp" | "amqps" => Some(Broker::Amqp),
             "nats" | "tls" => Some(Broker::Nats),
+            "redis" | "rediss" => Some(Broker::Redis),
             _ => None,
         }
     }
@@ -73,7 +87,8 @@ impl ConsumerConfig {
         self.durable.as_deref().unwrap_or(&self.name)
     }
 
-    /// The dead-letter queue (AMQP) or subject (NATS).
+    /// The dead-letter queue (AMQP) or subject (NATS); for `dlx`, the
+    /// queue's own dead-letter exchange.
     pub fn dead_letter_name(&self) -> String {
         if let Some(name) = &self.dead_letter {
             return name.clone();
@@ -82,13 +97,26 @@ impl ConsumerConfig {
             Some(Broker::Nats) => {
                 idemgate_mq::default_dead_letter_subject(self.stream.as_deref().unwrap_or_default())
             }
+            Some(Broker::Redis) => {
+                idemgate_mq::default_dead_letter_stream(self.stream.as_deref().unwrap_or_default())
+            }
             _ => idemgate_mq::default_dead_letter_queue(self.queue.as_deref().unwrap_or_default()),
         }
+    }
+
+    /// The Redis consumer group.
+    pub fn group_name(&self) -> &str {
+        self.group.as_deref().unwrap_or(&self.name)
     }
 
     /// What the consumer reads, for spotting two entries on one queue.
     pub(super) fn reads(&self) -> (String, String) {
         let from = match self.broker() {
+            Some(Broker::Redis) => format!(
+                "{}/{}",
+                self.stream.as_deref().unwrap_or_default(),
+                self.group_name()
+            ),
             Some(Broker::Nats) => format!(
                 "{}/{}",
                 self.stream.as_deref().unwrap_or_default(),
@@ -110,7 +138,7 @@ impl ConsumerConfig {
             None => add(
                 key("source"),
                 format!(
-                    "{:?} must be amqp://… or amqps://… (RabbitMQ), nats://… or tls://… (NATS JetStream)",
+                    "{:?} must be amqp://… or amqps://… (RabbitMQ), nats://… or tls://… (NATS JetStream), redis://… or rediss://… (Redis Streams)",
                     idemgate_core::error::redact_url(&self.source)
                 ),
             ),
@@ -118,13 +146,48 @@ impl ConsumerConfig {
                 if self.queue.as_deref().is_none_or(str::is_empty) {
                     add(key("queue"), "an AMQP consumer names its queue".into());
                 }
-                for (field, set) in [("stream", &self.stream), ("durable", &self.durable)] {
+                for (field, set) in [
+                    ("stream", &self.stream),
+                    ("durable", &self.durable),
+                    ("group", &self.group),
+                ] {
                     if set.is_some() {
                         add(
                             key(field),
-                            "only NATS consumers take a stream and durable".into(),
+                            "only NATS and Redis consumers take a stream (and a durable or group)"
+                                .into(),
                         );
                     }
+                }
+            }
+            Some(Broker::Redis) => {
+                if self.stream.as_deref().is_none_or(str::is_empty) {
+                    add(
+                        key("stream"),
+                        "a Redis Streams consumer names its stream".into(),
+                    );
+                }
+                for (field, set) in [("queue", &self.queue), ("durable", &self.durable)] {
+                    if set.is_some() {
+                        add(
+                            key(field),
+                            "a Redis Streams consumer reads a stream with a group (stream = \"…\", group = \"…\")"
+                                .into(),
+                        );
+                    }
+                }
+                if let Some(reason) = self.claim_idle.problem() {
+                    add(key("claim_idle"), reason);
+                }
+                if self
+                    .dead_letter
+                    .as_deref()
+                    .is_some_and(|d| Some(d) == self.stream.as_deref())
+                {
+                    add(
+                        key("dead_letter"),
+                        "must name a stream other than the one consumed".into(),
+                    );
                 }
             }
             Some(Broker::Nats) => {
@@ -181,6 +244,16 @@ impl ConsumerConfig {
                 add(key("must_match"), reason);
             }
         }
+        if self.dead_letter.as_deref() == Some(DEAD_LETTER_EXCHANGE)
+            && self.broker() != Some(Broker::Amqp)
+        {
+            add(
+                key("dead_letter"),
+                "\"dlx\" (reject into the queue's own dead-letter exchange) is RabbitMQ's; \
+                 name a subject or stream for the dead letters instead"
+                    .into(),
+            );
+        }
         if let Some(dead) = &self.dead_letter {
             let same = match self.broker() {
                 Some(Broker::Nats) => false,
@@ -205,6 +278,10 @@ impl ConsumerConfig {
     }
 }
 
+/// `dead_letter = "dlx"`: reject without requeue, so that RabbitMQ routes
+/// the message to the queue's own dead-letter exchange.
+pub const DEAD_LETTER_EXCHANGE: &str = "dlx";
+
 fn default_business_key() -> Vec<String> {
     DEFAULT_MESSAGE_KEY
         .iter()
@@ -219,6 +296,9 @@ fn default_max_deliveries() -> u32 {
 }
 fn default_retry_delay() -> HumanDuration {
     DEFAULT_RETRY_DELAY.into()
+}
+fn default_claim_idle() -> HumanDuration {
+    DEFAULT_CLAIM_IDLE.into()
 }
 
 #[cfg(test)]

@@ -34,7 +34,10 @@ pub(super) fn build(
             Some(Broker::Amqp) => Source::Amqp {
                 url: c.source.clone(),
                 queue: c.queue.clone().unwrap_or_default(),
-                dead_letter: c.dead_letter_name(),
+                dead_letter: match c.dead_letter.as_deref() {
+                    Some(crate::config::DEAD_LETTER_EXCHANGE) => idemgate_mq::DeadLetters::Dlx,
+                    _ => idemgate_mq::DeadLetters::Queue(c.dead_letter_name()),
+                },
             },
             Some(Broker::Nats) => Source::Nats {
                 url: c.source.clone(),
@@ -42,6 +45,13 @@ pub(super) fn build(
                 durable: c.durable_name().to_owned(),
                 dead_letter: c.dead_letter_name(),
             },
+            Some(Broker::Redis) => Source::Redis(idemgate_mq::StreamSource {
+                url: c.source.clone(),
+                stream: c.stream.clone().unwrap_or_default(),
+                group: c.group_name().to_owned(),
+                claim_idle: c.claim_idle.get(),
+                dead_letter: c.dead_letter_name(),
+            }),
             None => return Err(fail("unknown broker scheme".into())),
         };
         let sources = c

@@ -173,6 +173,11 @@ const WAIT_SAFETY_POLL: Duration = Duration::from_millis(500);
 pub const CROSS_INSTANCE_SAFETY_POLL: Duration = Duration::from_secs(1);
 
 impl Engine {
+    /// The store its records are in.
+    pub fn store(&self) -> &idemgate_store::Store {
+        &self.store
+    }
+
     /// An engine for one route. `holders` is the process's list of live
     /// claims: every engine of a process shares one, so that a duplicate
     /// on any worker finds the holder of its key.

@@ -1,0 +1,413 @@
+//! Redis Streams: a consumer group read with `XREADGROUP`, each entry
+//! acknowledged (`XACK`) only after its outcome is durable in the store.
+//!
+//! - The stream and the group are created when missing (`XGROUP CREATE …
+//!   $ MKSTREAM`: a new group starts with the entries added after it).
+//!   Each process reads as a consumer of its own name; entries it has not
+//!   acknowledged stay in the group's pending list.
+//! - An entry is a message: its `body` field is the body (without one, the
+//!   body is a JSON object of every field, so `json:/pointer` keys work on
+//!   fields), every other field is a header (`msg:header:order_id`), the
+//!   stream is the topic, the entry id the message id.
+//! - Retries after an upstream failure are made here, after `retry_delay`
+//!   (a stream has no "nack"); the failure count is the store's, so
+//!   `max_deliveries` holds across instances.
+//! - A consumer that died leaves its entries pending: every instance
+//!   claims entries idle longer than `claim_idle` (`XAUTOCLAIM`) and
+//!   delivers them again — the store answers what was already done.
+//! - Dead letters are added to `<stream>.dlq` with the original's fields
+//!   and `idemgate-reason`, `idemgate-consumer`, `idemgate-id` (the
+//!   original's entry id), recorded in the store, then the original is
+//!   acknowledged: a claim of it after a lost `XACK` adds no second copy.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use redis::Value;
+use redis::aio::MultiplexedConnection;
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::{Deliverer, Message, StreamSource, Verdict, keep_connected, redact};
+
+/// How long one `XREADGROUP` blocks for new entries.
+const READ_BLOCK: Duration = Duration::from_millis(1000);
+/// How long any other command may take before the connection is
+/// considered lost.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The field that holds the body.
+const BODY_FIELD: &str = "body";
+
+/// Runs the consumer until `stop`, reconnecting with backoff.
+pub(super) async fn run(d: Arc<Deliverer>, source: StreamSource, stop: CancellationToken) {
+    let (d, source, stop) = (&d, &source, &stop);
+    keep_connected(d, &source.url, &source.stream, stop, || async move {
+        session(d, source, stop).await
+    })
+    .await;
+}
+
+/// This process's name in the group: stable for its life, different from
+/// every other process's.
+fn consumer_name(d: &Deliverer) -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
+    format!(
+        "idemgate-{}-{host}-{}",
+        d.settings().name,
+        std::process::id()
+    )
+}
+
+async fn session(
+    d: &Arc<Deliverer>,
+    source: &StreamSource,
+    stop: &CancellationToken,
+) -> Result<(), String> {
+    let failed = |e: redis::RedisError| e.to_string();
+    let client = redis::Client::open(source.url.as_str()).map_err(failed)?;
+    // Two connections: a blocking XREADGROUP holds its connection until it
+    // returns, and commands pipelined behind it (acks, claims) would wait.
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(failed)?;
+    conn.set_response_timeout(COMMAND_TIMEOUT);
+    let mut reader = client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(failed)?;
+    reader.set_response_timeout(READ_BLOCK + COMMAND_TIMEOUT);
+    let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&source.stream)
+        .arg(&source.group)
+        .arg("$")
+        .arg("MKSTREAM")
+        .query_async(&mut conn)
+        .await;
+    if let Err(e) = created
+        && e.code() != Some("BUSYGROUP")
+    {
+        return Err(failed(e));
+    }
+    let me: Arc<str> = consumer_name(d).into();
+    let settings = d.settings();
+    d.counters().set_connected();
+    tracing::info!(consumer = %settings.name, broker = %redact(&source.url), stream = %source.stream, group = %source.group, prefetch = settings.prefetch, layer = "consumer", "consuming");
+
+    let session = stop.child_token();
+    let slots = Arc::new(Semaphore::new(usize::from(settings.prefetch.max(1))));
+    let mut running = JoinSet::new();
+    let claim_every = (source.claim_idle / 2).max(READ_BLOCK);
+    let mut next_claim = tokio::time::Instant::now();
+    let ended: Result<(), String> = loop {
+        while running.try_join_next().is_some() {}
+        if stop.is_cancelled() {
+            break Ok(());
+        }
+        // A place for each entry in hand, `prefetch` at most: what is read
+        // next never waits unacknowledged in this process.
+        let free = slots.available_permits();
+        if free == 0 {
+            tokio::select! {
+                _ = stop.cancelled() => break Ok(()),
+                _ = running.join_next() => continue,
+            }
+        }
+        // A read is never cancelled half-way: the entries of a reply Redis
+        // sent are this consumer's pending entries, and one dropped here
+        // would wait for another's claim. It blocks READ_BLOCK at most.
+        let claimed = tokio::time::Instant::now() >= next_claim;
+        let entries = if claimed {
+            next_claim = tokio::time::Instant::now() + claim_every;
+            claim(&mut conn, source, &me, free).await
+        } else {
+            read(&mut reader, source, &me, free).await
+        };
+        match entries {
+            Ok(entries) => {
+                for entry in entries {
+                    let permit = slots
+                        .clone()
+                        .try_acquire_owned()
+                        .map_err(|e| e.to_string())?;
+                    spawn(
+                        &mut running,
+                        d,
+                        &conn,
+                        source,
+                        &me,
+                        entry,
+                        claimed,
+                        &session,
+                        permit,
+                    );
+                }
+            }
+            Err(e) => break Err(failed(e)),
+        }
+    };
+    if stop.is_cancelled() {
+        let finish = async { while running.join_next().await.is_some() {} };
+        if tokio::time::timeout(settings.shutdown_grace, finish)
+            .await
+            .is_err()
+        {
+            tracing::warn!(consumer = %settings.name, left = running.len(), layer = "consumer", "shutdown grace over; unacknowledged entries stay pending and are claimed again");
+        }
+        return Ok(());
+    }
+    // The entries in hand go on: their holders see their claims through;
+    // their acks may fail with the connection (they stay pending, and are
+    // claimed again).
+    session.cancel();
+    running.detach_all();
+    ended.and(Err("the stream read ended".to_owned()))
+}
+
+/// New entries for this consumer, `count` at most, blocking a moment.
+async fn read(
+    conn: &mut MultiplexedConnection,
+    source: &StreamSource,
+    me: &str,
+    count: usize,
+) -> Result<Vec<StreamId>, redis::RedisError> {
+    let reply: StreamReadReply = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&source.group)
+        .arg(me)
+        .arg("COUNT")
+        .arg(count.max(1))
+        .arg("BLOCK")
+        .arg(READ_BLOCK.as_millis() as u64)
+        .arg("STREAMS")
+        .arg(&source.stream)
+        .arg(">")
+        .query_async(conn)
+        .await?;
+    Ok(reply.keys.into_iter().flat_map(|k| k.ids).collect())
+}
+
+/// Entries pending on any consumer (this one included) for longer than
+/// `claim_idle`, made this consumer's.
+async fn claim(
+    conn: &mut MultiplexedConnection,
+    source: &StreamSource,
+    me: &str,
+    count: usize,
+) -> Result<Vec<StreamId>, redis::RedisError> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+        .arg(&source.stream)
+        .arg(&source.group)
+        .arg(me)
+        .arg(source.claim_idle.as_millis() as u64)
+        .arg("0-0")
+        .arg("COUNT")
+        .arg(count)
+        .query_async(conn)
+        .await?;
+    Ok(reply.claimed)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn spawn(
+    running: &mut JoinSet<()>,
+    d: &Arc<Deliverer>,
+    conn: &MultiplexedConnection,
+    source: &StreamSource,
+    me: &Arc<str>,
+    entry: StreamId,
+    claimed: bool,
+    session: &CancellationToken,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let (d, conn, source, session) = (d.clone(), conn.clone(), source.clone(), session.clone());
+    let me = me.clone();
+    running.spawn(async move {
+        let _permit = permit;
+        let handled = handle(&d, conn.clone(), &source, entry.clone(), claimed, &session);
+        tokio::select! {
+            () = handled => {}
+            () = keep_claimed(conn, &source, &me, &entry.id) => {}
+        }
+    });
+}
+
+/// Resets the entry's idle time while this process holds it, a third of
+/// `claim_idle` apart: a slow upstream or a retry pause is not mistaken
+/// for a dead consumer, and only an entry whose holder stopped is claimed
+/// by another. Never returns.
+async fn keep_claimed(mut conn: MultiplexedConnection, source: &StreamSource, me: &str, id: &str) {
+    let mut every = tokio::time::interval(source.claim_idle / 3);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    loop {
+        every.tick().await;
+        let reset: Result<Value, redis::RedisError> = redis::cmd("XCLAIM")
+            .arg(&source.stream)
+            .arg(&source.group)
+            .arg(me)
+            .arg(0)
+            .arg(id)
+            .arg("JUSTID")
+            .query_async(&mut conn)
+            .await;
+        if let Err(e) = reset {
+            tracing::debug!(stream = %source.stream, id, error = %e, layer = "consumer", "could not reset an entry's idle time");
+        }
+    }
+}
+
+async fn handle(
+    d: &Deliverer,
+    mut conn: MultiplexedConnection,
+    source: &StreamSource,
+    entry: StreamId,
+    claimed: bool,
+    stop: &CancellationToken,
+) {
+    let mut message = to_message(source, &entry, claimed);
+    loop {
+        let verdict = d.decide(&message, stop, || async {}).await;
+        let done = match &verdict {
+            Verdict::Ack(_) => xack(&mut conn, source, &entry.id).await,
+            Verdict::Retry(delay) | Verdict::Wait(delay) => {
+                if stop.is_cancelled() {
+                    // Left pending: another instance claims it.
+                    Ok(())
+                } else {
+                    d.settled(&message, &verdict, Ok(()));
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(*delay) => {}
+                    }
+                    message.delivery_count += 1;
+                    continue;
+                }
+            }
+            Verdict::DeadLetter(reason) => {
+                dead_letter(d, &mut conn, source, &entry, &message, reason).await
+            }
+        };
+        d.settled(&message, &verdict, done);
+        return;
+    }
+}
+
+async fn xack(
+    conn: &mut MultiplexedConnection,
+    source: &StreamSource,
+    id: &str,
+) -> Result<(), String> {
+    let acked: i64 = redis::cmd("XACK")
+        .arg(&source.stream)
+        .arg(&source.group)
+        .arg(id)
+        .query_async(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    // 0: another consumer claimed it meanwhile (it answers the entry from
+    // the store); nothing is lost.
+    let _ = acked;
+    Ok(())
+}
+
+/// Adds the dead letter to the dead-letter stream, records it, then
+/// acknowledges the original.
+async fn dead_letter(
+    d: &Deliverer,
+    conn: &mut MultiplexedConnection,
+    source: &StreamSource,
+    entry: &StreamId,
+    message: &Message,
+    reason: &str,
+) -> Result<(), String> {
+    let mut add = redis::cmd("XADD");
+    add.arg(&source.dead_letter).arg("*");
+    for (field, value) in sorted_fields(entry) {
+        add.arg(field).arg(value);
+    }
+    add.arg("idemgate-reason")
+        .arg(reason)
+        .arg("idemgate-consumer")
+        .arg(d.settings().name.as_ref())
+        .arg("idemgate-id")
+        .arg(&entry.id);
+    let _: String = add.query_async(conn).await.map_err(|e| e.to_string())?;
+    // Recorded before the ack: a claim after a lost XACK adds no second
+    // copy, on any instance.
+    d.dead_lettered(message).await;
+    xack(conn, source, &entry.id).await
+}
+
+/// The entry's fields by name, as bytes.
+fn sorted_fields(entry: &StreamId) -> BTreeMap<&str, Vec<u8>> {
+    entry
+        .map
+        .iter()
+        .map(|(k, v)| (k.as_str(), value_bytes(v)))
+        .collect()
+}
+
+fn value_bytes(value: &Value) -> Vec<u8> {
+    match value {
+        Value::BulkString(bytes) => bytes.clone(),
+        Value::SimpleString(s) => s.clone().into_bytes(),
+        Value::Int(n) => n.to_string().into_bytes(),
+        other => format!("{other:?}").into_bytes(),
+    }
+}
+
+fn to_message(source: &StreamSource, entry: &StreamId, claimed: bool) -> Message {
+    let fields = sorted_fields(entry);
+    let mut headers = Vec::new();
+    for (name, value) in &fields {
+        if *name != BODY_FIELD {
+            let text = String::from_utf8(value.clone()).map_err(|_| "not UTF-8".to_owned());
+            headers.push(((*name).to_owned(), text));
+        }
+    }
+    let body = match fields.get(BODY_FIELD) {
+        Some(body) => Bytes::copy_from_slice(body),
+        // No body field: the fields as one JSON object.
+        None => {
+            let object: serde_json::Map<String, serde_json::Value> = fields
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        (*k).to_owned(),
+                        serde_json::Value::String(String::from_utf8_lossy(v).into_owned()),
+                    )
+                })
+                .collect();
+            Bytes::from(serde_json::to_vec(&object).unwrap_or_default())
+        }
+    };
+    Message {
+        id: Some(entry.id.clone()),
+        topic: source.stream.clone(),
+        headers,
+        content_type: Some(
+            match fields.get(BODY_FIELD) {
+                Some(body) if serde_json::from_slice::<serde_json::Value>(body).is_err() => {
+                    "application/octet-stream"
+                }
+                _ => "application/json",
+            }
+            .to_owned(),
+        ),
+        body,
+        // A claimed entry was delivered before (to a consumer that died,
+        // or that is this one, retrying).
+        delivery_count: if claimed { 2 } else { 1 },
+        key: std::sync::OnceLock::new(),
+    }
+}
