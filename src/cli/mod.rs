@@ -4,6 +4,8 @@
 //! commands use stays private to the crate.
 
 mod check_config;
+#[cfg(feature = "otlp")]
+mod telemetry;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,7 +68,6 @@ enum KeysAction {
 /// a configuration that does not load, 1 for a command that fails.
 pub fn idemgate() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
     let command = cli.command.unwrap_or(Command::Serve);
     let plan = match Config::load(&cli.config) {
         Ok(plan) => plan,
@@ -77,11 +78,17 @@ pub fn idemgate() -> ExitCode {
     };
     if let Command::Serve = command {
         return run_to_exit("idemgate", async {
-            idemgate_gateway::gateway::run(plan, cli.config.clone())
+            let exporter = start_logging(&plan.config)?;
+            let served = idemgate_gateway::gateway::run(plan, cli.config.clone())
                 .await
-                .map_err(|e| e.to_string())
+                .map_err(|e| e.to_string());
+            if let Some(exporter) = exporter {
+                exporter.shutdown().await;
+            }
+            served
         });
     }
+    init_logging(None);
     let config = plan.config;
     match command {
         Command::Serve => unreachable!("served above"),
@@ -208,15 +215,69 @@ fn run_to_exit(
     }
 }
 
+/// A layer of the process's subscriber (the log output, the trace export).
+type TraceLayer = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+
+/// `serve`'s logs, and its trace exporter when `[telemetry]` names a
+/// collector (on the running tokio runtime).
+#[cfg(feature = "otlp")]
+fn start_logging(config: &Config) -> Result<Option<telemetry::Exporter>, String> {
+    match telemetry::start(&config.telemetry)? {
+        Some((exporter, layer)) => {
+            init_logging(Some(layer));
+            Ok(Some(exporter))
+        }
+        None => {
+            init_logging(None);
+            Ok(None)
+        }
+    }
+}
+
+/// `serve`'s logs; a collector named in `[telemetry]` is refused, by name,
+/// by a build without the `otlp` feature.
+#[cfg(not(feature = "otlp"))]
+fn start_logging(config: &Config) -> Result<Option<NoExporter>, String> {
+    if config.telemetry.otlp_endpoint.is_some() {
+        return Err(
+            "telemetry.otlp_endpoint: this build exports no traces (built without the otlp feature)"
+                .into(),
+        );
+    }
+    init_logging(None);
+    Ok(None)
+}
+
+/// What a build without the `otlp` feature has to flush: nothing.
+#[cfg(not(feature = "otlp"))]
+enum NoExporter {}
+
+#[cfg(not(feature = "otlp"))]
+impl NoExporter {
+    async fn shutdown(self) {
+        match self {}
+    }
+}
+
 /// Logs on stderr: human text on a terminal, one JSON object per line
 /// otherwise (a collector's input), or as `IDEMGATE_LOG_FORMAT` (`json`,
 /// `text`) says. Keys are logged escaped and truncated, clients as their
 /// scope hash, never a credential (docs/semantics.md, "Bounds" and rule 4).
-fn init_logging() {
+/// `traces`, when given, takes the spans meant for export; the log output
+/// never shows them.
+fn init_logging(traces: Option<TraceLayer>) {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
         // lapin logs every closed channel as an error of its own; the
         // consumer logs the same event once, with the consumer and queue.
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"))
+        .add_directive(
+            format!("{}=off", idemgate_core::trace::TARGET)
+                .parse()
+                .expect("a valid directive"),
+        );
     use std::io::IsTerminal;
     let terminal = std::io::stderr().is_terminal();
     let json = match std::env::var("IDEMGATE_LOG_FORMAT").as_deref() {
@@ -228,26 +289,28 @@ fn init_logging() {
         }
         Err(_) => !terminal,
     };
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let logs: TraceLayer = if json {
         logs.json()
             .flatten_event(true)
             .with_current_span(false)
             .with_span_list(false)
-            .init();
+            .with_filter(filter)
+            .boxed()
     } else {
         // Colours only on a terminal.
-        logs.with_ansi(terminal).init();
-    }
+        logs.with_ansi(terminal).with_filter(filter).boxed()
+    };
+    let mut layers = vec![logs];
+    layers.extend(traces);
+    tracing_subscriber::registry().with(layers).init();
 }
 
 /// `demo-upstream [ADDR]`: the demo order/payment/coupon service on its own
 /// (default `127.0.0.1:9001`, or `DEMO_UPSTREAM_LISTEN`), until SIGTERM or
 /// Ctrl-C.
 pub fn demo_upstream() -> ExitCode {
-    init_logging();
+    init_logging(None);
     let addr = std::env::args()
         .nth(1)
         .or_else(|| std::env::var("DEMO_UPSTREAM_LISTEN").ok())

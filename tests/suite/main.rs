@@ -29,5 +29,6 @@ mod redis_cluster;
 mod store;
 mod store_faults;
 mod token_routes;
+mod traces;
 mod upstream_h2;
 mod upstream_wire;

@@ -18,6 +18,8 @@
 //! - [`budget`]: claims in flight, counted per process and per connection.
 //! - [`limits`]: descriptors, and the budgets sized from them.
 //! - [`metrics`]: the Prometheus registry behind `/metrics`.
+//! - [`trace`]: the span target and the W3C Trace Context hooks the binary
+//!   installs when it exports traces.
 //!
 //! This crate sits at the bottom of the workspace: it depends on no other
 //! Idemgate crate.
@@ -34,3 +36,4 @@ pub mod identity;
 pub mod limits;
 pub mod metrics;
 pub mod request_id;
+pub mod trace;

@@ -68,6 +68,8 @@ const DEFAULT_JWT_CLAIM: &str = "sub";
 const DEFAULT_JWT_LEEWAY: &str = "60s";
 const DEFAULT_UPSTREAM_TIMEOUT: &str = "10s";
 const DEFAULT_SIGNATURE_TOLERANCE: &str = "300s";
+/// The `service.name` exported spans carry.
+const DEFAULT_SERVICE_NAME: &str = "idemgate";
 
 /// Paths the gateway answers itself on the public listener; routes may not
 /// claim them.
@@ -91,6 +93,60 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
     pub consumers: Vec<ConsumerConfig>,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+}
+
+/// `[telemetry]`: traces exported over OTLP; off until `otlp_endpoint` is
+/// set.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// The collector: `http://host:4317` for gRPC, the base URL
+    /// (`http://host:4318`) for HTTP/protobuf.
+    pub otlp_endpoint: Option<String>,
+    #[serde(default)]
+    pub otlp_protocol: OtlpProtocol,
+    /// The `service.name` resource attribute.
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+}
+
+/// How spans travel to the collector.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub enum OtlpProtocol {
+    /// OTLP/gRPC (port 4317).
+    #[default]
+    #[serde(rename = "grpc")]
+    Grpc,
+    /// OTLP/HTTP with protobuf bodies, POSTed to `<endpoint>/v1/traces`
+    /// (port 4318).
+    #[serde(rename = "http/protobuf")]
+    HttpProtobuf,
+}
+
+impl OtlpProtocol {
+    /// Its name in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OtlpProtocol::Grpc => "grpc",
+            OtlpProtocol::HttpProtobuf => "http/protobuf",
+        }
+    }
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            otlp_endpoint: None,
+            otlp_protocol: OtlpProtocol::default(),
+            service_name: default_service_name(),
+        }
+    }
+}
+
+fn default_service_name() -> String {
+    DEFAULT_SERVICE_NAME.into()
 }
 
 /// `[server]`: listeners and connection hardening.

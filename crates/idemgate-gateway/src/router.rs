@@ -33,6 +33,7 @@ use idemgate::idempotency::Verdict;
 use idemgate_core::error::{Problem, ProblemLog, ProblemReason, Reason};
 use idemgate_core::metrics::{Outcome, RouteCounters};
 use idemgate_core::request_id::{self, X_REQUEST_ID};
+use idemgate_core::trace;
 pub use matcher::{PathMatch, RouteMatcher};
 
 pub use idemgate_core::handler::{Handler, HandlerFuture, TowerHandler};
@@ -59,6 +60,8 @@ pub struct Route {
     pub matcher: RouteMatcher,
     pub service: RouteService,
     pub counters: Arc<RouteCounters>,
+    /// The route's policy, as its requests' spans name it.
+    pub policy: &'static str,
 }
 
 /// The public listener's service: reserved endpoints, then the route table.
@@ -272,16 +275,41 @@ impl Router {
                 };
             }
         };
+        let span = trace::enabled().then(|| request_span(route, &req));
+        let answer = match &span {
+            Some(span) => span.in_scope(|| route.service.call(req)),
+            None => route.service.call(req),
+        };
         RouterFuture {
             state: State::Routed {
-                answer: route.service.call(req),
+                answer,
                 name: route.name.clone(),
                 counters: route.counters.clone(),
                 request_id: Some(request_id),
+                span,
             },
             cors,
         }
     }
+}
+
+/// A routed request's span (traces on): the root of what the gateway does
+/// for it, a child of the client's `traceparent` when it sent one.
+fn request_span(route: &Route, req: &Request<Body>) -> tracing::Span {
+    let span = tracing::info_span!(
+        target: trace::TARGET,
+        "request",
+        otel.name = %format_args!("{} {}", req.method(), route.name),
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        route = %route.name,
+        policy = route.policy,
+        http.request.method = %req.method(),
+        http.response.status_code = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    );
+    trace::continue_from(req.headers(), &span);
+    span
 }
 
 /// The answer of [`Router::handle`].
@@ -301,6 +329,8 @@ enum State {
         name: Arc<str>,
         counters: Arc<RouteCounters>,
         request_id: Option<HeaderValue>,
+        /// With traces on: the request's span, entered while it is polled.
+        span: Option<tracing::Span>,
     },
 }
 
@@ -317,9 +347,19 @@ impl Future for RouterFuture {
                 name,
                 counters,
                 request_id,
+                span,
             } => {
+                let _entered = span.as_ref().map(tracing::Span::enter);
                 let mut response = std::task::ready!(answer.as_mut().poll(cx));
-                counters.record(outcome_of(&response));
+                let outcome = outcome_of(&response);
+                counters.record(outcome);
+                if let Some(span) = span.as_ref() {
+                    span.record("outcome", outcome.as_str());
+                    span.record("http.response.status_code", response.status().as_u16());
+                    if response.status().is_server_error() {
+                        span.record("otel.status_code", "ERROR");
+                    }
+                }
                 if let Some(log) = response.extensions().get::<ProblemLog>() {
                     let status = response.status().as_u16();
                     if response.status().is_server_error() {

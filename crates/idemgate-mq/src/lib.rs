@@ -50,8 +50,10 @@ use idemgate::idempotency::Verdict as EngineVerdict;
 use idemgate::idempotency::{Engine, Head, Policy};
 use idemgate_core::error::{Problem, Reason};
 use idemgate_core::metrics::{ConsumerCounters, MessageOutcome};
+use idemgate_core::trace;
 use idemgate_proxy::Proxy;
 use idemgate_store::{RecordKey, key_ref};
+use tracing::Instrument;
 
 /// `X-Msg-Id`: the message's id, as the upstream receives it.
 pub const X_MSG_ID: HeaderName = HeaderName::from_static("x-msg-id");
@@ -227,6 +229,18 @@ pub enum Verdict {
     DeadLetter(String),
 }
 
+impl Verdict {
+    /// Its name in a message's span.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Verdict::Ack(outcome) => outcome.as_str(),
+            Verdict::Retry(_) => "retry",
+            Verdict::Wait(_) => "wait",
+            Verdict::DeadLetter(_) => "dead_letter",
+        }
+    }
+}
+
 /// Delivers messages of one consumer through the engine.
 pub struct Deliverer {
     settings: ConsumerSettings,
@@ -361,14 +375,20 @@ impl Deliverer {
             key: key.clone(),
             fingerprint,
         };
-        let answer = self
-            .engine
-            .handle(policy, self.proxy.clone(), request)
-            .await;
+        let span = trace::enabled().then(|| self.message_span(message));
+        let handled = self.engine.handle(policy, self.proxy.clone(), request);
+        let answer = match &span {
+            Some(span) => handled.instrument(span.clone()).await,
+            None => handled.await,
+        };
         let response = answer.response;
         let verdict = self
             .judge(&key, fresh, answer.verdict, response.status())
             .await;
+        if let Some(span) = &span {
+            span.record("outcome", verdict.name());
+            span.record("http.response.status_code", response.status().as_u16());
+        }
         match &verdict {
             Verdict::Ack(_) | Verdict::Wait(_) => {}
             Verdict::DeadLetter(reason) => {
@@ -379,6 +399,34 @@ impl Deliverer {
             }
         }
         verdict
+    }
+
+    /// A delivery's span (traces on), continuing the producer's trace when
+    /// the message carries a `traceparent` header.
+    fn message_span(&self, message: &Message) -> tracing::Span {
+        let span = tracing::info_span!(
+            target: trace::TARGET,
+            "message",
+            otel.name = %format_args!("process {}", self.settings.name),
+            otel.kind = "consumer",
+            consumer = %self.settings.name,
+            messaging.destination.name = %message.topic.escape_debug(),
+            delivery_count = message.delivery_count,
+            http.response.status_code = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let mut context = http::HeaderMap::new();
+        for name in ["traceparent", "tracestate"] {
+            if let Some(Ok(value)) = message.header(name)
+                && let Ok(value) = HeaderValue::from_str(&value)
+            {
+                context.insert(name, value);
+            }
+        }
+        if !context.is_empty() {
+            trace::continue_from(&context, &span);
+        }
+        span
     }
 
     /// Counts a verdict once the broker carried it out, or an error.

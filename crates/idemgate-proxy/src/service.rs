@@ -17,7 +17,9 @@ use super::pool::{Pool, PoolOptions};
 use idemgate_core::error::{Problem, Reason};
 use idemgate_core::handler::{Handler, HandlerFuture};
 use idemgate_core::metrics::Histogram;
+use idemgate_core::trace;
 use rustls::pki_types::ServerName;
+use tracing::Instrument;
 
 /// Where a route forwards to.
 #[derive(Debug)]
@@ -197,14 +199,43 @@ impl Proxy {
         // over the limit is refused before anything is read or sent, and a
         // request with neither Content-Length nor Transfer-Encoding has an
         // empty body (RFC 9112 §6.3).
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
 
         let started = Instant::now();
-        let answer = tokio::time::timeout(
-            self.upstream.timeout,
-            client::send(&self.pool, parts, body, limit),
-        )
-        .await;
+        let answer = if trace::enabled() {
+            // The upstream continues this span's trace: `traceparent` names
+            // it as the parent (replacing the client's, which is its parent).
+            let span = tracing::info_span!(
+                target: trace::TARGET,
+                "upstream",
+                otel.name = %format_args!("{} {}", parts.method, self.upstream.name),
+                otel.kind = "client",
+                otel.status_code = tracing::field::Empty,
+                upstream = %self.upstream.name,
+                http.request.method = %parts.method,
+                http.response.status_code = tracing::field::Empty,
+            );
+            trace::inject(&span, &mut parts.headers);
+            let send = client::send(&self.pool, parts, body, limit);
+            let answer = tokio::time::timeout(self.upstream.timeout, send)
+                .instrument(span.clone())
+                .await;
+            match &answer {
+                Ok(Ok(response)) => {
+                    span.record("http.response.status_code", response.status().as_u16());
+                }
+                _ => {
+                    span.record("otel.status_code", "ERROR");
+                }
+            }
+            answer
+        } else {
+            tokio::time::timeout(
+                self.upstream.timeout,
+                client::send(&self.pool, parts, body, limit),
+            )
+            .await
+        };
         self.latency.observe(started.elapsed());
         let response = match answer {
             Err(_) => return Err(ProxyError::Timeout(self.upstream.name.clone())),

@@ -95,6 +95,19 @@ pub enum PolicyPlan {
     Callback(CallbackPolicy),
 }
 
+impl PolicyPlan {
+    /// Its name in a request's span: `pass_through`, `key`, `token`,
+    /// `callback`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicyPlan::PassThrough => "pass_through",
+            PolicyPlan::Key { .. } => "key",
+            PolicyPlan::Token => "token",
+            PolicyPlan::Callback(_) => "callback",
+        }
+    }
+}
+
 impl Plan {
     /// Loads `config` without the checks [`Config::validate`] makes of the
     /// values (for a configuration already validated, or built in code).

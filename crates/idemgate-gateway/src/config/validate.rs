@@ -56,6 +56,24 @@ impl Config {
                 ),
             );
         }
+        if let Some(endpoint) = &self.telemetry.otlp_endpoint {
+            match url::Url::parse(endpoint) {
+                Ok(url) if url.scheme() == "http" && url.host().is_some() => {}
+                Ok(url) if url.scheme() == "https" => add(
+                    "telemetry.otlp_endpoint".into(),
+                    format!(
+                        "{endpoint:?}: spans are exported in plain HTTP/2 or HTTP to a collector                          beside the gateway (an OpenTelemetry Collector or agent on the host or                          in the pod), which forwards them over TLS; https is not supported"
+                    ),
+                ),
+                _ => add(
+                    "telemetry.otlp_endpoint".into(),
+                    format!("{endpoint:?} is not a URL like \"http://127.0.0.1:4317\""),
+                ),
+            }
+        }
+        if self.telemetry.service_name.trim().is_empty() {
+            add("telemetry.service_name".into(), "must not be empty".into());
+        }
         if self.server.max_body_bytes == 0 {
             add("server.max_body_bytes".into(), "must be above zero".into());
         }

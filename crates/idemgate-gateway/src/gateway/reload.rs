@@ -125,6 +125,7 @@ fn restart_only(running: &Config, next: &Config) -> Vec<&'static str> {
         format!("{:?}", a.tls) != format!("{:?}", b.tls),
     );
     check("server.http2", a.http2 != b.http2);
+    check("telemetry", running.telemetry != next.telemetry);
     check(
         "server.worker_threads",
         a.worker_threads != b.worker_threads,

@@ -48,6 +48,7 @@ pub(super) fn build_router(shared: &Shared, store: &Store) -> Result<Router, Sta
             matcher: plan.matcher.clone(),
             service: route_service(shared, store, r, &plan.policy, proxy),
             counters: shared.metrics.route(&r.name),
+            policy: plan.policy.name(),
         });
     }
     Ok(Router::with_cors(
@@ -129,6 +130,7 @@ fn token_route(shared: &Shared) -> Route {
             .with_limit(shared.token_limit.clone()),
         )),
         counters: shared.metrics.route("token"),
+        policy: "token_endpoint",
     }
 }
 

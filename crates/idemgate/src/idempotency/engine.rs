@@ -46,7 +46,9 @@ use idemgate_core::error::{Problem, Reason};
 use idemgate_core::identity::Identity;
 use idemgate_core::metrics::{Metrics, WakeUp};
 use idemgate_core::request_id::X_REQUEST_ID;
+use idemgate_core::trace;
 use idemgate_store::{Claim, RecordKey, StoreError, StoredResponse};
+use tracing::Instrument;
 
 use super::IDEMPOTENCY_KEY;
 use super::body::{BodyError, read_and_fingerprint};
@@ -335,14 +337,21 @@ impl Engine {
         let mut watch = None;
         loop {
             let (reply, answer) = oneshot::channel();
-            tokio::spawn(self.clone().attempt(
+            let attempt = self.clone().attempt(
                 policy.clone(),
                 inner.clone(),
                 parts,
                 bytes,
                 ticket.clone(),
                 reply,
-            ));
+            );
+            // The attempt outlives the client; with traces on, its store and
+            // upstream spans stay children of the request's.
+            if trace::enabled() {
+                tokio::spawn(attempt.in_current_span());
+            } else {
+                tokio::spawn(attempt);
+            }
             let (retry_after, expires_at_ms) = match answer.await {
                 Ok(Attempt::Answered(response)) => return response,
                 Ok(Attempt::InFlight {
@@ -435,7 +444,11 @@ impl Engine {
             }
         };
         let claimed_at = tokio::time::Instant::now();
-        let mut claim = self.store.claim(key, fingerprint, request_id).await;
+        let mut claim = self
+            .store
+            .claim(key, fingerprint, request_id)
+            .instrument(tracing::info_span!(target: trace::TARGET, "store.claim"))
+            .await;
         let mut fingerprint = fingerprint;
         if let (Ok(Claim::Mismatch { .. }), Some(legacy)) = (&claim, legacy_fingerprint) {
             // Recorded before requests were identified by their key.

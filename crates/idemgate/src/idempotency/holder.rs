@@ -32,7 +32,9 @@ use super::body::{Captured, capture, chain};
 use super::expires::set_expires;
 use super::verdict::Verdict;
 use idemgate_core::error::{Problem, Reason};
+use idemgate_core::trace;
 use idemgate_store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
+use tracing::Instrument;
 
 /// Pause before the first retry of a failed record write; it doubles.
 pub(super) const WRITE_BACKOFF_START: Duration = Duration::from_millis(100);
@@ -132,10 +134,19 @@ impl Ledger for Store {
         match write {
             Write::Complete(stored) => {
                 self.complete(key, epoch, &claim.fingerprint, stored, claim.expires_at_ms)
+                    .instrument(tracing::info_span!(target: trace::TARGET, "store.complete"))
                     .await
             }
-            Write::Release => self.release(key, epoch).await,
-            Write::Uncertain { hold } => self.mark_uncertain(key, epoch, *hold).await,
+            Write::Release => {
+                self.release(key, epoch)
+                    .instrument(tracing::info_span!(target: trace::TARGET, "store.release"))
+                    .await
+            }
+            Write::Uncertain { hold } => {
+                self.mark_uncertain(key, epoch, *hold)
+                    .instrument(tracing::info_span!(target: trace::TARGET, "store.uncertain"))
+                    .await
+            }
         }
     }
 
