@@ -206,7 +206,11 @@ fn run_to_exit(
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(f) {
+    let result = runtime.block_on(f);
+    // Work left on the blocking pool (a trace export that outlived its
+    // budget) does not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{program}: {e}");

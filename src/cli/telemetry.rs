@@ -28,6 +28,10 @@ use idemgate_gateway::config::{OtlpProtocol, TelemetryConfig};
 
 use super::TraceLayer;
 
+/// How long shutdown waits for the collector to take the spans still
+/// queued.
+const SHUTDOWN_BUDGET: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The running exporter; [`Exporter::shutdown`] sends what is queued.
 pub(super) struct Exporter {
     provider: SdkTracerProvider,
@@ -77,10 +81,23 @@ impl Exporter {
     pub(super) async fn shutdown(self) {
         // The SDK blocks the calling thread until its export task answers;
         // that task runs on this runtime.
+        // Bounded: a collector that does not answer must not hold the
+        // process past an orchestrator's grace period (the spans still
+        // queued are then lost, never the records).
         let provider = self.provider;
-        let stopped = tokio::task::spawn_blocking(move || provider.shutdown()).await;
-        if let Ok(Err(e)) = stopped {
-            tracing::warn!(error = %e, layer = "telemetry", "the trace exporter did not stop cleanly");
+        let stopped = tokio::time::timeout(
+            SHUTDOWN_BUDGET,
+            tokio::task::spawn_blocking(move || provider.shutdown()),
+        )
+        .await;
+        match stopped {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => {
+                tracing::warn!(error = %e, layer = "telemetry", "the trace exporter did not stop cleanly");
+            }
+            Ok(Err(_)) | Err(_) => {
+                tracing::warn!(budget = ?SHUTDOWN_BUDGET, layer = "telemetry", "the collector did not take the last spans in time; they are dropped");
+            }
         }
     }
 }
@@ -95,4 +112,11 @@ fn extract(headers: &HeaderMap, span: &tracing::Span) {
 
 fn inject(span: &tracing::Span, headers: &mut HeaderMap) {
     TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(headers));
+    // The propagator writes `tracestate` even when it has no entries.
+    if headers
+        .get("tracestate")
+        .is_some_and(|v| v.as_bytes().is_empty())
+    {
+        headers.remove("tracestate");
+    }
 }

@@ -873,6 +873,76 @@ async fn a_lost_ack_after_a_dead_letter_copy_makes_no_second_copy() {
     stack.shutdown().await;
 }
 
+/// A dead-letter copy is a new message: it does not carry the original's
+/// `x-delivery-count`, so an operator who moves it back to the queue gets
+/// it tried again instead of acknowledged as the settled original.
+#[tokio::test]
+async fn a_dead_letter_moved_back_to_the_queue_is_tried_again() {
+    let Some(queue) = Queue::new("amqp_dlq_moved").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/moved", "max_deliveries = 1")).await;
+    arm(&stack, r#"{"fail_status": 503, "count": 1}"#).await;
+    // First seen as a quorum queue's redelivery (it carries a count).
+    queue.publish_redelivered("m-1", b"{}").await;
+    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(dead, "{:?}", stack.upstream.state.stats());
+    let copy = queue.take(&queue.dlq()).await.expect("the dead letter");
+    let headers = copy.delivery.properties.headers().clone().unwrap();
+    assert!(
+        !headers.inner().contains_key("x-delivery-count"),
+        "{headers:?}"
+    );
+    assert!(headers.inner().contains_key("x-idemgate-reason"));
+    queue.republish(&copy).await;
+    let tried = eventually(WAIT, || async { executions(&stack, "moved") == 1 }).await;
+    assert!(tried, "{:?}", stack.upstream.state.stats());
+    assert_eq!(metric(&stack, "pay", "duplicate").await, 0);
+    stack.shutdown().await;
+}
+
+/// A replay from the dead letters that the broker delivers again while its
+/// first try is still at the upstream (its channel closed, say): the
+/// redelivery is not acknowledged on the strength of the old dead-letter
+/// mark beside the running attempt; it waits for that attempt's outcome.
+#[tokio::test]
+async fn a_replay_delivered_again_while_its_first_try_runs_waits_for_its_outcome() {
+    let Some(queue) = Queue::new("amqp_dlq_replay").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/replay", "max_deliveries = 1")).await;
+    arm(&stack, r#"{"fail_status": 503, "count": 1}"#).await;
+    queue.publish(Some("r-1"), b"{}", &[]).await;
+    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(dead);
+    // The replay: slow at the upstream (within its 2 s timeout), then a
+    // success.
+    arm(&stack, r#"{"delay_ms": 1500, "count": 1}"#).await;
+    queue.publish(Some("r-1"), b"{}", &[]).await;
+    let started = eventually(WAIT, || async {
+        stack.upstream.state.stats().requests >= 2
+    })
+    .await;
+    assert!(started);
+    queue.publish_redelivered("r-1", b"{}").await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        metric(&stack, "pay", "duplicate").await,
+        0,
+        "acknowledged beside the running attempt"
+    );
+    let settled = eventually(WAIT, || async {
+        metric(&stack, "pay", "duplicate").await == 1
+    })
+    .await;
+    assert!(settled, "{:?}", stack.upstream.state.stats());
+    assert_eq!(executions(&stack, "replay"), 1);
+    assert_eq!(stack.upstream.state.stats().requests, 2);
+    assert_eq!(queue.ready(&queue.dlq()).await, 1, "no second copy");
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    stack.shutdown().await;
+}
+
 /// `dead_letter = "dlx"`: a queue whose owner set a dead-letter exchange
 /// gets its dead letters routed by the broker (rejected without requeue),
 /// with RabbitMQ's `x-death` history; Idemgate declares no queue of its own.
@@ -1228,4 +1298,32 @@ async fn redis_streams_store_down_forwards_nothing_and_delivers_once_after() {
     assert_eq!(stream.pending("g").await, 0);
     stack.shutdown().await;
     stream.delete().await;
+}
+
+/// `claim_idle` below a second is refused by name: entries in hand are
+/// kept fresh every third of it, so a tiny value is a Redis call every few
+/// milliseconds (and a timer that cannot tick at zero).
+#[test]
+fn a_claim_idle_below_a_second_is_refused_by_name() {
+    use idemgate_gateway::config::Config;
+    let check = |idle: &str| {
+        let text = format!(
+            "[[upstreams]]\nname = \"demo\"\nurl = \"http://127.0.0.1:1\"\n{}",
+            consumer_toml(
+                "orders",
+                "redis://127.0.0.1:6379/",
+                "stream = \"s\"\ngroup = \"g\"",
+                "/actions/x",
+                &format!("claim_idle = \"{idle}\""),
+            )
+        );
+        Config::parse(&text, "test")
+            .map_err(|e| e.to_string())?
+            .validate("test")
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let refused = check("1ns").unwrap_err();
+    assert!(refused.contains("claim_idle"), "{refused}");
+    check("1s").unwrap();
 }

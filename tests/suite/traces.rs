@@ -311,6 +311,9 @@ async fn a_request_is_a_span_tree_in_the_clients_trace_and_the_upstream_continue
         ("Idempotency-Key", "trace-1"),
         ("X-User-Id", "alice"),
         ("traceparent", traceparent.as_str()),
+        // Naming the trace context as hop-by-hop does not strip the
+        // gateway's own upstream context.
+        ("Connection", "keep-alive, traceparent, tracestate"),
         ("Content-Type", "application/json"),
     ];
     let first = http.send("POST", &url, &headers, r#"{"amount":5}"#).await;

@@ -43,6 +43,17 @@ pub fn enabled() -> bool {
     PROPAGATION.get().is_some()
 }
 
+/// `make`'s span when spans are exported, else the empty span (so a
+/// library user whose own subscriber shows every target sees none of ours).
+#[inline]
+pub fn span(make: impl FnOnce() -> tracing::Span) -> tracing::Span {
+    if enabled() {
+        make()
+    } else {
+        tracing::Span::none()
+    }
+}
+
 /// Continues the client's trace in `span` (a request's root span).
 pub fn continue_from(headers: &HeaderMap, span: &tracing::Span) {
     if let Some(p) = PROPAGATION.get() {

@@ -232,7 +232,19 @@ async fn dead_letter(
     reason: &str,
 ) -> Result<(), String> {
     let failed = |e: lapin::Error| e.to_string();
-    let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+    // The copy is a new message: a quorum queue's count of the original's
+    // deliveries would make the copy, moved back to the queue by an
+    // operator, look like a redelivery of a message already settled.
+    let mut headers = FieldTable::from(
+        delivery
+            .properties
+            .headers()
+            .iter()
+            .flat_map(|table| table.inner())
+            .filter(|(name, _)| name.as_str() != "x-delivery-count")
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect::<std::collections::BTreeMap<_, _>>(),
+    );
     headers.insert(
         "x-idemgate-reason".into(),
         AMQPValue::LongString(LongString::from(reason.to_owned())),

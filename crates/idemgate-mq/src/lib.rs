@@ -344,15 +344,25 @@ impl Deliverer {
                 Err(_) => return Verdict::Wait(self.settings.retry_delay),
             },
         };
-        // Its dead-letter copy is stored and the ack was lost: done, and
-        // no second copy.
-        if dead_lettered && self.settings.source.copies_dead_letters() {
-            return Verdict::Ack(MessageOutcome::Duplicate);
-        }
-        // Out of attempts already (its dead-letter copy failed before):
-        // straight to the dead letters, not upstream again.
-        if failures >= self.settings.max_deliveries {
-            return Verdict::DeadLetter(format!("the upstream failed {failures} time(s)"));
+        let copied = dead_lettered && self.settings.source.copies_dead_letters();
+        if copied || failures >= self.settings.max_deliveries {
+            // What the store says was the end of this key: unless an
+            // attempt is still running (a replay from the dead letters,
+            // delivered again while its first try is at the upstream) —
+            // then the engine decides, as for any copy in flight, and the
+            // message is neither acknowledged nor copied beside it.
+            match self.attempt_open(&key).await {
+                Err(()) => return Verdict::Wait(self.settings.retry_delay),
+                Ok(true) => {}
+                // Its dead-letter copy is stored and the ack was lost:
+                // done, and no second copy.
+                Ok(false) if copied => return Verdict::Ack(MessageOutcome::Duplicate),
+                // Out of attempts already (its dead-letter copy failed
+                // before): straight to the dead letters, not upstream again.
+                Ok(false) => {
+                    return Verdict::DeadLetter(format!("the upstream failed {failures} time(s)"));
+                }
+            }
         }
         let request = self.request(message, failures + 1);
         // The same message whenever its key is: a broker's redelivery or a
@@ -399,6 +409,25 @@ impl Deliverer {
             }
         }
         verdict
+    }
+
+    /// Whether `key` has an attempt that has not ended: a record in flight
+    /// (its holder may be at the upstream) or uncertain. `Err`: the store
+    /// did not answer (nothing is decided without it).
+    async fn attempt_open(&self, key: &str) -> Result<bool, ()> {
+        let records = self
+            .engine
+            .store()
+            .sql()
+            .find(&self.settings.name, key)
+            .await
+            .map_err(|_| ())?;
+        Ok(records.iter().any(|r| {
+            matches!(
+                r.state,
+                idemgate_store::RecordState::InFlight | idemgate_store::RecordState::Uncertain
+            )
+        }))
     }
 
     /// A delivery's span (traces on), continuing the producer's trace when

@@ -12,7 +12,8 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Whether the gateway sets `name` for the upstream itself (the stable
-/// `Idempotency-Key`, `X-Request-Id`, `X-Forwarded-*`, `Forwarded`). By the
+/// `Idempotency-Key`, `X-Request-Id`, `X-Forwarded-*`, `Forwarded`, and
+/// with traces on `traceparent` and `tracestate`). By the
 /// time the request is written these hold the gateway's values, not the
 /// client's, so a client's `Connection` must never name them away (docs/semantics.md,
 /// rule 7, §4 Always): listed there, they are ignored as options.
@@ -26,6 +27,9 @@ fn is_set_by_gateway(name: &HeaderName) -> bool {
                 | "x-forwarded-proto"
                 | "x-forwarded-host"
         )
+        // With traces on, the trace context is the gateway's upstream span.
+        || (idemgate_core::trace::enabled()
+            && matches!(name.as_str(), "traceparent" | "tracestate"))
 }
 
 /// The header names `Connection` lists: hop-by-hop for this one message

@@ -190,6 +190,26 @@ impl Queue {
         assert!(confirm.is_ack());
     }
 
+    /// Publishes `message` (taken from another queue) to this queue with
+    /// its properties and headers as they are: an operator moving a dead
+    /// letter back.
+    pub async fn republish(&self, message: &lapin::message::BasicGetMessage) {
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                self.name.as_str().into(),
+                BasicPublishOptions::default(),
+                &message.delivery.data,
+                message.delivery.properties.clone(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+    }
+
     /// Messages ready in a queue (not those delivered and unacked).
     pub async fn ready(&self, queue: &str) -> u32 {
         // A channel of its own: a passive declare of a missing queue

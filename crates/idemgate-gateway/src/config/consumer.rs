@@ -178,6 +178,15 @@ impl ConsumerConfig {
                 }
                 if let Some(reason) = self.claim_idle.problem() {
                     add(key("claim_idle"), reason);
+                } else if self.claim_idle.get() < MIN_CLAIM_IDLE {
+                    // Entries in hand are kept fresh every third of it: below
+                    // a second that is a Redis call every few milliseconds
+                    // per consumer, and a slow round trip would let another
+                    // instance take entries that are still being handled.
+                    add(
+                        key("claim_idle"),
+                        format!("must be at least {MIN_CLAIM_IDLE:?}"),
+                    );
                 }
                 if self
                     .dead_letter
@@ -297,6 +306,9 @@ fn default_max_deliveries() -> u32 {
 fn default_retry_delay() -> HumanDuration {
     DEFAULT_RETRY_DELAY.into()
 }
+/// The shortest `claim_idle` accepted.
+const MIN_CLAIM_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn default_claim_idle() -> HumanDuration {
     DEFAULT_CLAIM_IDLE.into()
 }

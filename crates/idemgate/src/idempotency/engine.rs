@@ -447,7 +447,9 @@ impl Engine {
         let mut claim = self
             .store
             .claim(key, fingerprint, request_id)
-            .instrument(tracing::info_span!(target: trace::TARGET, "store.claim"))
+            .instrument(trace::span(
+                || tracing::info_span!(target: trace::TARGET, "store.claim"),
+            ))
             .await;
         let mut fingerprint = fingerprint;
         if let (Ok(Claim::Mismatch { .. }), Some(legacy)) = (&claim, legacy_fingerprint) {

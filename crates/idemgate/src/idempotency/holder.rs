@@ -134,17 +134,23 @@ impl Ledger for Store {
         match write {
             Write::Complete(stored) => {
                 self.complete(key, epoch, &claim.fingerprint, stored, claim.expires_at_ms)
-                    .instrument(tracing::info_span!(target: trace::TARGET, "store.complete"))
+                    .instrument(trace::span(
+                        || tracing::info_span!(target: trace::TARGET, "store.complete"),
+                    ))
                     .await
             }
             Write::Release => {
                 self.release(key, epoch)
-                    .instrument(tracing::info_span!(target: trace::TARGET, "store.release"))
+                    .instrument(trace::span(
+                        || tracing::info_span!(target: trace::TARGET, "store.release"),
+                    ))
                     .await
             }
             Write::Uncertain { hold } => {
                 self.mark_uncertain(key, epoch, *hold)
-                    .instrument(tracing::info_span!(target: trace::TARGET, "store.uncertain"))
+                    .instrument(trace::span(
+                        || tracing::info_span!(target: trace::TARGET, "store.uncertain"),
+                    ))
                     .await
             }
         }
