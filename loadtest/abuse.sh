@@ -5,9 +5,14 @@
 # default) in front of the demo upstream. Per scenario: the peak of
 # upstream requests in flight, the gateway's peak descriptors and RSS, the
 # legitimate client's p99 and errors, beside a quiet run. Writes
-# loadtest/results/abuse.md. Only 127.0.0.1 is targeted.
+# loadtest/results/abuse-$STORE.md. Only 127.0.0.1 is targeted.
 #
 #   loadtest/abuse.sh [SECONDS_PER_SCENARIO] [LEGIT_RATE]
+#
+# ONLY_BIG=1: the quiet run and the big answers only. MEMORY_LAYER_BYTES,
+# MAX_STORED_BODY_BYTES: the store's keys of those names (a small
+# max_stored_body_bytes separates the cost of storing answers from the
+# cost of carrying them). NOFILE: the descriptor limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
@@ -56,6 +61,7 @@ else
   echo "database_url = \"sqlite://$WORK/records.db\""
 fi)
 memory_layer_bytes = ${MEMORY_LAYER_BYTES:-67108864}
+max_stored_body_bytes = ${MAX_STORED_BODY_BYTES:-1048576}
 [[upstreams]]
 name = "demo"
 url = "http://127.0.0.1:$UP"

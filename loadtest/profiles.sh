@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The two build profiles side by side in one run (loadtest/README.md):
-# `release` (thin LTO, 16 codegen units: the README's first command) and
+# `release` (opt-level 1, no LTO, 16 codegen units, the system allocator: the
+# README's first command) and
 # `dist` (fat LTO, one codegen unit: the Dockerfile, deployments and every
 # other load test). Both gateways front the same nginx upstream on SQLite;
 # oha alternates between them, round by round, for HTTP/1.1 pass-through,
@@ -82,7 +83,7 @@ import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 rev, secs, rounds, conc = sys.argv[2:6]
 print(f"# Build profiles side by side ({rev})\n")
-print(f"`loadtest/profiles.sh {secs} {rounds}`: `release` (thin LTO, 16 codegen units) and `dist` (fat LTO, one codegen unit) gateways on SQLite in front of one nginx upstream, 2 workers each, `-c {conc}`, alternating every round; median of {rounds} rounds.\n")
+print(f"`loadtest/profiles.sh {secs} {rounds}`: `release` (opt-level 1, no LTO, 16 codegen units, system allocator) and `dist` (opt-level 3, fat LTO, one codegen unit, jemalloc) gateways on SQLite in front of one nginx upstream, 2 workers each, `-c {conc}`, alternating every round; median of {rounds} rounds.\n")
 print("| scenario | release req/s | dist req/s | dist / release | release p99 ms | dist p99 ms |")
 print("|---|---|---|---|---|---|")
 for scenario in dict.fromkeys(r['scenario'] for r in rows):

@@ -9,5 +9,15 @@
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() -> std::process::ExitCode {
+    // Without a background thread jemalloc returns freed pages to the
+    // kernel only from inside later allocations, so a gateway that goes
+    // quiet after a burst of large answers keeps the burst's pages resident
+    // for as long as it stays quiet; the background thread purges them on
+    // jemalloc's decay schedule (pages unused for `dirty_decay_ms`, 10 s by
+    // default). Set before any worker thread starts.
+    #[cfg(all(feature = "jemalloc", not(target_env = "msvc")))]
+    if let Err(e) = tikv_jemalloc_ctl::background_thread::write(true) {
+        eprintln!("idemgate: jemalloc background thread not started: {e}");
+    }
     idemgate_cli::cli::idemgate()
 }

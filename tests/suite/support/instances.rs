@@ -56,15 +56,36 @@ pub fn free_port() -> u16 {
 /// Starts `n` gateways, each with the config `body` (TOML without
 /// `[server]` listen keys, which are added) and waits until each answers.
 /// `server` is extra `[server]` keys.
+/// A port picked free can be taken by another test before the gateway
+/// binds it: such an instance is started again on new ports.
 pub async fn start(n: usize, server: &str, body: &str) -> Vec<Instance> {
-    let mut instances = Vec::with_capacity(n);
-    for _ in 0..n {
-        instances.push(spawn(server, body, &[]));
-    }
-    for instance in &instances {
+    let mut instances: Vec<Instance> = (0..n).map(|_| spawn(server, body, &[])).collect();
+    for instance in &mut instances {
+        for _ in 0..3 {
+            if is_ready(instance).await || !log_of(instance).contains("Address already in use") {
+                break;
+            }
+            *instance = spawn(server, body, &[]);
+        }
         wait_ready(instance).await;
     }
     instances
+}
+
+/// Whether the instance's admin listener answers within 20 s (or its
+/// process has exited).
+async fn is_ready(instance: &mut Instance) -> bool {
+    let http = Http::http1();
+    let url = instance.admin_url("/healthz");
+    let child = &mut instance.child;
+    let mut exited = false;
+    let up = eventually(Duration::from_secs(20), || {
+        exited = exited || matches!(child.try_wait(), Ok(Some(_)));
+        let (http, url, gone) = (http.clone(), url.clone(), exited);
+        async move { gone || http.try_send("GET", &url, &[], "").await.is_ok() }
+    })
+    .await;
+    up && !exited
 }
 
 /// One gateway process with `env` set, not yet known to be up.
