@@ -837,6 +837,29 @@ async fn a_failing_message_gets_max_deliveries_attempts_across_instances_and_a_r
     one.shutdown().await;
 }
 
+/// A queue and a gateway with `max_deliveries = 1` whose upstream fails
+/// `id`'s first delivery (a redelivery by its count when `redelivered`):
+/// returned once its dead-letter copy is in the queue's `.dlq`.
+async fn dead_lettered_once(
+    queue: &str,
+    action: &str,
+    id: &str,
+    redelivered: bool,
+) -> Option<(Queue, Stack)> {
+    let queue = Queue::new(queue).await?;
+    let stack =
+        Stack::start(&queue.consumer("pay", &format!("/actions/{action}"), "max_deliveries = 1"))
+            .await;
+    arm(&stack, r#"{"fail_status": 503, "count": 1}"#).await;
+    match redelivered {
+        true => queue.publish_redelivered(id, b"{}").await,
+        false => queue.publish(Some(id), b"{}", &[]).await,
+    }
+    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(dead, "{:?}", stack.upstream.state.stats());
+    Some((queue, stack))
+}
+
 /// A redelivery of a message whose dead-letter copy is recorded (its ack
 /// was lost) is acknowledged without a second copy and never forwarded;
 /// the same key published afresh (a replay from the dead letters) is a new
@@ -844,14 +867,10 @@ async fn a_failing_message_gets_max_deliveries_attempts_across_instances_and_a_r
 /// header is how a redelivery is told here.)
 #[tokio::test]
 async fn a_lost_ack_after_a_dead_letter_copy_makes_no_second_copy() {
-    let Some(queue) = Queue::new("amqp_dlq_once").await else {
+    let Some((queue, stack)) = dead_lettered_once("amqp_dlq_once", "once", "d-1", false).await
+    else {
         return;
     };
-    let stack = Stack::start(&queue.consumer("pay", "/actions/once", "max_deliveries = 1")).await;
-    arm(&stack, r#"{"fail_status": 503, "count": 1}"#).await;
-    queue.publish(Some("d-1"), b"{}", &[]).await;
-    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
-    assert!(dead);
     // The broker delivers the original again: the ack was lost.
     queue.publish_redelivered("d-1", b"{}").await;
     let acked = eventually(WAIT, || async {
@@ -878,15 +897,11 @@ async fn a_lost_ack_after_a_dead_letter_copy_makes_no_second_copy() {
 /// it tried again instead of acknowledged as the settled original.
 #[tokio::test]
 async fn a_dead_letter_moved_back_to_the_queue_is_tried_again() {
-    let Some(queue) = Queue::new("amqp_dlq_moved").await else {
+    // First seen as a quorum queue's redelivery (it carries a count).
+    let Some((queue, stack)) = dead_lettered_once("amqp_dlq_moved", "moved", "m-1", true).await
+    else {
         return;
     };
-    let stack = Stack::start(&queue.consumer("pay", "/actions/moved", "max_deliveries = 1")).await;
-    arm(&stack, r#"{"fail_status": 503, "count": 1}"#).await;
-    // First seen as a quorum queue's redelivery (it carries a count).
-    queue.publish_redelivered("m-1", b"{}").await;
-    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
-    assert!(dead, "{:?}", stack.upstream.state.stats());
     let copy = queue.take(&queue.dlq()).await.expect("the dead letter");
     let headers = copy.delivery.properties.headers().clone().unwrap();
     assert!(
@@ -907,14 +922,10 @@ async fn a_dead_letter_moved_back_to_the_queue_is_tried_again() {
 /// mark beside the running attempt; it waits for that attempt's outcome.
 #[tokio::test]
 async fn a_replay_delivered_again_while_its_first_try_runs_waits_for_its_outcome() {
-    let Some(queue) = Queue::new("amqp_dlq_replay").await else {
+    let Some((queue, stack)) = dead_lettered_once("amqp_dlq_replay", "replay", "r-1", false).await
+    else {
         return;
     };
-    let stack = Stack::start(&queue.consumer("pay", "/actions/replay", "max_deliveries = 1")).await;
-    arm(&stack, r#"{"fail_status": 503, "count": 1}"#).await;
-    queue.publish(Some("r-1"), b"{}", &[]).await;
-    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
-    assert!(dead);
     // The replay: slow at the upstream (within its 2 s timeout), then a
     // success.
     arm(&stack, r#"{"delay_ms": 1500, "count": 1}"#).await;

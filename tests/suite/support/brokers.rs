@@ -90,6 +90,12 @@ impl Queue {
             }
             properties = properties.with_headers(table);
         }
+        self.publish_with(body, properties).await;
+    }
+
+    /// Publishes `body` with `properties` as they are, confirmed by the
+    /// broker.
+    async fn publish_with(&self, body: &[u8], properties: BasicProperties) {
         let confirm = self
             .channel
             .basic_publish(
@@ -174,40 +180,15 @@ impl Queue {
             .with_content_type("application/json".into())
             .with_message_id(id.into())
             .with_headers(table);
-        let confirm = self
-            .channel
-            .basic_publish(
-                "".into(),
-                self.name.as_str().into(),
-                BasicPublishOptions::default(),
-                body,
-                properties,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
+        self.publish_with(body, properties).await;
     }
 
     /// Publishes `message` (taken from another queue) to this queue with
     /// its properties and headers as they are: an operator moving a dead
     /// letter back.
     pub async fn republish(&self, message: &lapin::message::BasicGetMessage) {
-        let confirm = self
-            .channel
-            .basic_publish(
-                "".into(),
-                self.name.as_str().into(),
-                BasicPublishOptions::default(),
-                &message.delivery.data,
-                message.delivery.properties.clone(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
+        self.publish_with(&message.delivery.data, message.delivery.properties.clone())
+            .await;
     }
 
     /// Messages ready in a queue (not those delivered and unacked).
