@@ -892,6 +892,39 @@ async fn a_lost_ack_after_a_dead_letter_copy_makes_no_second_copy() {
     stack.shutdown().await;
 }
 
+/// A message without a usable key is dead-lettered once too: its mark is
+/// kept under its own identity (id and body), so a redelivery after a lost
+/// ack makes no second copy, while another keyless message still gets its
+/// own.
+#[tokio::test]
+async fn a_keyless_message_redelivered_after_its_dead_letter_makes_no_second_copy() {
+    let Some(queue) = Queue::new("amqp_nokey_once").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/nokey", "")).await;
+    queue.publish(Some("bad\u{1}id"), b"{}", &[]).await;
+    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(dead);
+    // The broker delivers it again: the ack after the copy was lost.
+    queue.publish_redelivered("bad\u{1}id", b"{}").await;
+    let acked = eventually(WAIT, || async {
+        metric(&stack, "pay", "duplicate").await == 1
+    })
+    .await;
+    assert!(acked, "the redelivery was not acknowledged");
+    assert_eq!(queue.ready(&queue.dlq()).await, 1, "no second copy");
+    // Another keyless message, redelivered, was never dead-lettered: it
+    // gets its copy.
+    queue
+        .publish_redelivered("bad\u{1}id", br#"{"other":1}"#)
+        .await;
+    let other = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 2 }).await;
+    assert!(other);
+    assert_eq!(stack.upstream.state.stats().requests, 0);
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    stack.shutdown().await;
+}
+
 /// A dead-letter copy is a new message: it does not carry the original's
 /// `x-delivery-count`, so an operator who moves it back to the queue gets
 /// it tried again instead of acknowledged as the settled original.

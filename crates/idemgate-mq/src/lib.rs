@@ -319,17 +319,32 @@ impl Deliverer {
     /// One try through the engine.
     async fn deliver(&self, message: &Message) -> Verdict {
         let name = &self.settings.name;
-        let key = match self.key_of(message) {
-            Ok(key) => key.clone(),
-            Err(e) => {
-                return Verdict::DeadLetter(format!("no usable business key: {e}"));
-            }
-        };
         // A redelivery: how it went before, on any instance, is in the
         // store (failed attempts only: store outages and copies in flight
         // elsewhere do not bring a message nearer the dead letters). A
         // fresh delivery — most messages — never reads it.
         let fresh = message.delivery_count <= 1;
+        let key = match self.key_of(message) {
+            Ok(key) => key.clone(),
+            Err(e) => {
+                // Its dead-letter copy may be stored already (the ack after
+                // it was lost): recorded under the message's own identity.
+                if !fresh && self.settings.source.copies_dead_letters() {
+                    match self
+                        .engine
+                        .store()
+                        .sql()
+                        .delivery(&self.settings.name, &keyless_mark(message))
+                        .await
+                    {
+                        Ok((_, true)) => return Verdict::Ack(MessageOutcome::Duplicate),
+                        Ok(_) => {}
+                        Err(_) => return Verdict::Wait(self.settings.retry_delay),
+                    }
+                }
+                return Verdict::DeadLetter(format!("no usable business key: {e}"));
+            }
+        };
         let (failures, dead_lettered) = match fresh {
             true => (0, false),
             false => match self
@@ -478,17 +493,18 @@ impl Deliverer {
     /// a second copy. Best effort: without it a redelivery makes a second
     /// copy, never a lost message.
     pub async fn dead_lettered(&self, message: &Message) {
-        let Ok(key) = self.key_of(message) else {
-            return;
+        let key = match self.key_of(message) {
+            Ok(key) => key.clone(),
+            Err(_) => keyless_mark(message),
         };
         if let Err(e) = self
             .engine
             .store()
             .sql()
-            .mark_dead_lettered(&self.settings.name, key)
+            .mark_dead_lettered(&self.settings.name, &key)
             .await
         {
-            tracing::warn!(consumer = %self.settings.name, key = %key_ref(key), error = %e, layer = "consumer", "the dead-letter copy is stored but could not be recorded; a redelivery would make a second copy");
+            tracing::warn!(consumer = %self.settings.name, key = %key_ref(&key), error = %e, layer = "consumer", "the dead-letter copy is stored but could not be recorded; a redelivery would make a second copy");
         }
     }
 
@@ -723,6 +739,19 @@ pub(crate) async fn keep_connected<S, F>(
             _ = tokio::time::sleep(pause) => {}
         }
     }
+}
+
+/// Where the dead-letter mark of a message without a usable key is kept:
+/// its id (as it came, unusable) and body hashed, behind a control
+/// character no usable key may hold, so it never meets a business key.
+fn keyless_mark(message: &Message) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    let id = message.id.as_deref().unwrap_or_default().as_bytes();
+    hash.update((id.len() as u64).to_be_bytes());
+    hash.update(id);
+    hash.update(&message.body);
+    format!("\u{1}keyless:{}", hex::encode(hash.finalize()))
 }
 
 /// The reconnect pause after `failures` failed attempts in a row.
