@@ -1371,3 +1371,66 @@ fn a_claim_idle_below_a_second_is_refused_by_name() {
     assert!(refused.contains("claim_idle"), "{refused}");
     check("1s").unwrap();
 }
+
+/// A group that vanishes under a running gateway (Redis restarted without
+/// persistence, the stream deleted) while producers go on: the group is
+/// created again after the last entry the gateway read, so the entries
+/// added in between are delivered, not skipped.
+#[tokio::test]
+async fn redis_streams_a_vanished_group_is_recreated_without_skipping_entries() {
+    let Some(stream) = RedisStream::new("redis_vanished", None).await else {
+        return;
+    };
+    let stack = Stack::start(&stream.consumer(
+        "orders",
+        "/actions/vanish",
+        r#"business_key = ["msg:header:order_id"]"#,
+    ))
+    .await;
+    assert!(eventually(WAIT, || async { stream.exists().await }).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stream.add(&[("order_id", "v-1"), ("body", "{}")]).await;
+    assert!(eventually(WAIT, || async { executions(&stack, "vanish") == 1 }).await);
+    stream.recreate_with(&["v-2", "v-3"]).await;
+    let delivered = eventually(WAIT, || async { executions(&stack, "vanish") == 3 }).await;
+    assert!(delivered, "{:?}", stack.upstream.state.stats());
+    assert!(eventually(WAIT, || async { stream.pending("g").await == 0 }).await);
+    stack.shutdown().await;
+    stream.delete().await;
+}
+
+/// An entry another consumer took over (this gateway looked dead to it) is
+/// not taken back by the gateway's idle-time resets: it stays the other's.
+#[tokio::test]
+async fn redis_streams_an_entry_another_consumer_claimed_is_not_taken_back() {
+    let Some(stream) = RedisStream::new("redis_taken", None).await else {
+        return;
+    };
+    let stack = Stack::start(&stream.consumer(
+        "orders",
+        "/actions/taken",
+        "business_key = [\"msg:header:order_id\"]\nclaim_idle = \"1s\"",
+    ))
+    .await;
+    assert!(eventually(WAIT, || async { stream.exists().await }).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Slow, within the upstream's 2 s timeout.
+    arm(&stack, r#"{"delay_ms": 1500, "count": 1}"#).await;
+    let id = stream.add(&[("order_id", "t-1"), ("body", "{}")]).await;
+    assert!(
+        eventually(WAIT, || async {
+            stack.upstream.state.stats().requests >= 1
+        })
+        .await
+    );
+    stream.steal("g", "another", &id).await;
+    // Two idle-time resets later (a third of claim_idle apart), before the
+    // entry is idle long enough for anyone to claim it.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(stream.owner("g", &id).await.as_deref(), Some("another"));
+    let done = eventually(WAIT, || async { stream.pending("g").await == 0 }).await;
+    assert!(done, "the gateway's ack ends the entry whoever owns it");
+    assert_eq!(executions(&stack, "taken"), 1);
+    stack.shutdown().await;
+    stream.delete().await;
+}

@@ -2,7 +2,10 @@
 //! acknowledged (`XACK`) only after its outcome is durable in the store.
 //!
 //! - The stream and the group are created when missing (`XGROUP CREATE …
-//!   $ MKSTREAM`: a new group starts with the entries added after it).
+//!   $ MKSTREAM`: a new group starts with the entries added after it). A
+//!   group that vanished while this process ran (Redis restarted without
+//!   persistence, the stream deleted) is created again after the last
+//!   entry this process read, so nothing added in between is skipped.
 //!   Each process reads as a consumer of its own name; entries it has not
 //!   acknowledged stay in the group's pending list.
 //! - An entry is a message: its `body` field is the body (without one, the
@@ -13,15 +16,18 @@
 //!   (a stream has no "nack"); the failure count is the store's, so
 //!   `max_deliveries` holds across instances.
 //! - A consumer that died leaves its entries pending: every instance
-//!   claims entries idle longer than `claim_idle` (`XAUTOCLAIM`) and
-//!   delivers them again — the store answers what was already done.
+//!   claims entries idle longer than `claim_idle` (`XAUTOCLAIM`, its
+//!   cursor carried from one scan to the next so entries held long by live
+//!   consumers do not hide those behind them) and delivers them again — the
+//!   store answers what was already done. An entry's idle time is reset
+//!   only while this process still owns it.
 //! - Dead letters are added to `<stream>.dlq` with the original's fields
 //!   and `idemgate-reason`, `idemgate-consumer`, `idemgate-id` (the
 //!   original's entry id), recorded in the store, then the original is
 //!   acknowledged: a claim of it after a lost `XACK` adds no second copy.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -45,9 +51,11 @@ const BODY_FIELD: &str = "body";
 
 /// Runs the consumer until `stop`, reconnecting with backoff.
 pub(super) async fn run(d: Arc<Deliverer>, source: StreamSource, stop: CancellationToken) {
-    let (d, source, stop) = (&d, &source, &stop);
+    // The id of the last entry read, kept across sessions.
+    let last_read = Mutex::new(None);
+    let (d, source, stop, last_read) = (&d, &source, &stop, &last_read);
     keep_connected(d, &source.url, &source.stream, stop, || async move {
-        session(d, source, stop).await
+        session(d, source, stop, last_read).await
     })
     .await;
 }
@@ -67,6 +75,7 @@ async fn session(
     d: &Arc<Deliverer>,
     source: &StreamSource,
     stop: &CancellationToken,
+    last_read: &Mutex<Option<String>>,
 ) -> Result<(), String> {
     let failed = |e: redis::RedisError| e.to_string();
     let client = redis::Client::open(source.url.as_str()).map_err(failed)?;
@@ -82,11 +91,14 @@ async fn session(
         .await
         .map_err(failed)?;
     reader.set_response_timeout(READ_BLOCK + COMMAND_TIMEOUT);
+    // A group this process read before and finds missing starts after the
+    // last entry it read; a new one at the stream's end.
+    let start = lock(last_read).clone().unwrap_or_else(|| "$".to_owned());
     let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(&source.stream)
         .arg(&source.group)
-        .arg("$")
+        .arg(&start)
         .arg("MKSTREAM")
         .query_async(&mut conn)
         .await;
@@ -105,6 +117,7 @@ async fn session(
     let mut running = JoinSet::new();
     let claim_every = (source.claim_idle / 2).max(READ_BLOCK);
     let mut next_claim = tokio::time::Instant::now();
+    let mut cursor = "0-0".to_owned();
     let ended: Result<(), String> = loop {
         while running.try_join_next().is_some() {}
         if stop.is_cancelled() {
@@ -125,9 +138,13 @@ async fn session(
         let claimed = tokio::time::Instant::now() >= next_claim;
         let entries = if claimed {
             next_claim = tokio::time::Instant::now() + claim_every;
-            claim(&mut conn, source, &me, free).await
+            claim(&mut conn, source, &me, free, &mut cursor).await
         } else {
-            read(&mut reader, source, &me, free).await
+            let read = read(&mut reader, source, &me, free).await;
+            if let Ok(Some(last)) = read.as_ref().map(|entries| entries.last()) {
+                *lock(last_read) = Some(last.id.clone());
+            }
+            read
         };
         match entries {
             Ok(entries) => {
@@ -194,12 +211,14 @@ async fn read(
 }
 
 /// Entries pending on any consumer (this one included) for longer than
-/// `claim_idle`, made this consumer's.
+/// `claim_idle`, made this consumer's: one step of a scan of the pending
+/// list from `cursor`, which is moved on (back to the start after the end).
 async fn claim(
     conn: &mut MultiplexedConnection,
     source: &StreamSource,
     me: &str,
     count: usize,
+    cursor: &mut String,
 ) -> Result<Vec<StreamId>, redis::RedisError> {
     if count == 0 {
         return Ok(Vec::new());
@@ -209,11 +228,12 @@ async fn claim(
         .arg(&source.group)
         .arg(me)
         .arg(source.claim_idle.as_millis() as u64)
-        .arg("0-0")
+        .arg(cursor.as_str())
         .arg("COUNT")
         .arg(count)
         .query_async(conn)
         .await?;
+    *cursor = reply.next_stream_id;
     Ok(reply.claimed)
 }
 
@@ -241,29 +261,44 @@ fn spawn(
     });
 }
 
+/// Resets an entry's idle time if `ARGV[2]` still owns it: an entry
+/// another consumer claimed (this one stalled past `claim_idle`) is not
+/// taken back.
+const RESET_IF_OWNED: &str = r"
+local mine = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #mine == 0 then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 1
+";
+
 /// Resets the entry's idle time while this process holds it, a third of
 /// `claim_idle` apart: a slow upstream or a retry pause is not mistaken
 /// for a dead consumer, and only an entry whose holder stopped is claimed
-/// by another. Never returns.
+/// by another. Once another consumer owns it, it stops (the store's claim
+/// keeps the two handlers from forwarding it twice). Never returns.
 async fn keep_claimed(mut conn: MultiplexedConnection, source: &StreamSource, me: &str, id: &str) {
     let mut every = tokio::time::interval(source.claim_idle / 3);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     every.tick().await;
+    let script = redis::Script::new(RESET_IF_OWNED);
     loop {
         every.tick().await;
-        let reset: Result<Value, redis::RedisError> = redis::cmd("XCLAIM")
-            .arg(&source.stream)
+        let reset: Result<i64, redis::RedisError> = script
+            .key(&source.stream)
             .arg(&source.group)
             .arg(me)
-            .arg(0)
             .arg(id)
-            .arg("JUSTID")
-            .query_async(&mut conn)
+            .invoke_async(&mut conn)
             .await;
-        if let Err(e) = reset {
-            tracing::debug!(stream = %source.stream, id, error = %e, layer = "consumer", "could not reset an entry's idle time");
+        match reset {
+            Ok(1) => {}
+            Ok(_) => break,
+            Err(e) => {
+                tracing::debug!(stream = %source.stream, id, error = %e, layer = "consumer", "could not reset an entry's idle time");
+            }
         }
     }
+    std::future::pending::<()>().await;
 }
 
 async fn handle(
@@ -410,4 +445,9 @@ fn to_message(source: &StreamSource, entry: &StreamId, claimed: bool) -> Message
         delivery_count: if claimed { 2 } else { 1 },
         key: std::sync::OnceLock::new(),
     }
+}
+
+/// The guarded value, even if a holder panicked (an id stays an id).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

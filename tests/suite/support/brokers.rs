@@ -638,6 +638,76 @@ impl RedisStream {
         add.query_async(&mut self.conn().await).await.unwrap()
     }
 
+    /// Whether the stream exists (the gateway created it with its group).
+    pub async fn exists(&self) -> bool {
+        let n: i64 = redis::cmd("EXISTS")
+            .arg(&self.name)
+            .query_async(&mut self.conn().await)
+            .await
+            .unwrap();
+        n == 1
+    }
+
+    /// Deletes the stream (its groups with it) and adds `orders` (one
+    /// entry each, `order_id` and a body) to a new one, atomically: what a
+    /// Redis restarted without persistence looks like to a consumer whose
+    /// producers go on.
+    pub async fn recreate_with(&self, orders: &[&str]) {
+        let mut pipe = redis::pipe();
+        pipe.atomic().cmd("DEL").arg(&self.name).ignore();
+        for order in orders {
+            pipe.cmd("XADD")
+                .arg(&self.name)
+                .arg("*")
+                .arg("order_id")
+                .arg(*order)
+                .arg("body")
+                .arg("{}")
+                .ignore();
+        }
+        let () = pipe.query_async(&mut self.conn().await).await.unwrap();
+    }
+
+    /// `XCLAIM`s entry `id` for `consumer` regardless of its idle time: another
+    /// instance taking it over.
+    pub async fn steal(&self, group: &str, consumer: &str, id: &str) {
+        let _: redis::Value = redis::cmd("XCLAIM")
+            .arg(&self.name)
+            .arg(group)
+            .arg(consumer)
+            .arg(0)
+            .arg(id)
+            .arg("JUSTID")
+            .query_async(&mut self.conn().await)
+            .await
+            .unwrap();
+    }
+
+    /// The consumer that owns pending entry `id`, if it is pending.
+    pub async fn owner(&self, group: &str, id: &str) -> Option<String> {
+        let reply: redis::Value = redis::cmd("XPENDING")
+            .arg(&self.name)
+            .arg(group)
+            .arg(id)
+            .arg(id)
+            .arg(1)
+            .query_async(&mut self.conn().await)
+            .await
+            .unwrap();
+        match reply {
+            redis::Value::Array(items) => match items.first() {
+                Some(redis::Value::Array(entry)) => match entry.get(1) {
+                    Some(redis::Value::BulkString(b)) => {
+                        Some(String::from_utf8_lossy(b).into_owned())
+                    }
+                    _ => None,
+                },
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     /// Entries delivered to the group and not acknowledged.
     pub async fn pending(&self, group: &str) -> u64 {
         let reply: redis::Value = redis::cmd("XPENDING")
