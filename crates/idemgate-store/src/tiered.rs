@@ -156,6 +156,17 @@ impl Store {
         }
     }
 
+    /// This store without its fast layer: every call goes to SQL. For the
+    /// MQ consumers, whose records no HTTP request replays and whose
+    /// duplicates are rarely hot: the layer's marker and answer writes
+    /// would be two Redis round trips a message for nothing.
+    pub fn without_fast_layer(&self) -> Store {
+        Store {
+            fast: None,
+            ..self.clone()
+        }
+    }
+
     /// This process's waiters.
     pub fn settlements(&self) -> &Arc<Settlements> {
         &self.settlements

@@ -82,7 +82,7 @@ pub(super) fn build(
             shutdown_grace: config.server.shutdown_grace.get(),
         };
         let engine = Engine::new(
-            store.clone(),
+            store.without_fast_layer(),
             EngineSettings {
                 route: c.name.as_str().into(),
                 // Never read: a message's records are the consumer's.
