@@ -925,6 +925,33 @@ async fn a_keyless_message_redelivered_after_its_dead_letter_makes_no_second_cop
     stack.shutdown().await;
 }
 
+/// The last allowed attempt timed out (its record uncertain) and the
+/// message was dead-lettered; its ack was lost. The redelivery waits out
+/// the uncertain hold, then is acknowledged: never sent upstream again,
+/// never copied twice.
+#[tokio::test]
+async fn a_redelivery_after_an_uncertain_last_attempt_is_neither_sent_nor_copied_again() {
+    let Some(queue) = Queue::new("amqp_dlq_uncertain").await else {
+        return;
+    };
+    let stack = Stack::start(&queue.consumer("pay", "/actions/late", "max_deliveries = 1")).await;
+    // Past the upstream's 2 s timeout: the attempt is uncertain.
+    arm(&stack, r#"{"delay_ms": 2500, "count": 1}"#).await;
+    queue.publish(Some("u-1"), b"{}", &[]).await;
+    let dead = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(dead, "{:?}", stack.upstream.state.stats());
+    queue.publish_redelivered("u-1", b"{}").await;
+    let acked = eventually(WAIT, || async {
+        metric(&stack, "pay", "duplicate").await == 1
+    })
+    .await;
+    assert!(acked, "{:?}", stack.upstream.state.stats());
+    assert_eq!(stack.upstream.state.stats().requests, 1, "sent again");
+    assert_eq!(queue.ready(&queue.dlq()).await, 1, "copied again");
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    stack.shutdown().await;
+}
+
 /// A dead-letter copy is a new message: it does not carry the original's
 /// `x-delivery-count`, so an operator who moves it back to the queue gets
 /// it tried again instead of acknowledged as the settled original.
@@ -944,6 +971,30 @@ async fn a_dead_letter_moved_back_to_the_queue_is_tried_again() {
     assert!(headers.inner().contains_key("x-idemgate-reason"));
     queue.republish(&copy).await;
     let tried = eventually(WAIT, || async { executions(&stack, "moved") == 1 }).await;
+    assert!(tried, "{:?}", stack.upstream.state.stats());
+    assert_eq!(metric(&stack, "pay", "duplicate").await, 0);
+    stack.shutdown().await;
+}
+
+/// A dead-letter copy moved back and then delivered again (its first
+/// delivery's channel closed before anything was recorded) is still a
+/// replay: the mark its original left does not settle it, and it runs.
+#[tokio::test]
+async fn a_moved_back_dead_letter_delivered_again_is_still_tried() {
+    let Some((queue, stack)) =
+        dead_lettered_once("amqp_dlq_moved_again", "again", "a-1", false).await
+    else {
+        return;
+    };
+    let mut copy = queue.take(&queue.dlq()).await.expect("the dead letter");
+    let mut headers = copy.delivery.properties.headers().clone().unwrap();
+    headers.insert(
+        "x-delivery-count".into(),
+        lapin::types::AMQPValue::LongLongInt(1),
+    );
+    copy.delivery.properties = copy.delivery.properties.clone().with_headers(headers);
+    queue.republish(&copy).await;
+    let tried = eventually(WAIT, || async { executions(&stack, "again") == 1 }).await;
     assert!(tried, "{:?}", stack.upstream.state.stats());
     assert_eq!(metric(&stack, "pay", "duplicate").await, 0);
     stack.shutdown().await;

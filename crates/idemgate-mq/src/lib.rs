@@ -324,17 +324,25 @@ impl Deliverer {
         // elsewhere do not bring a message nearer the dead letters). A
         // fresh delivery — most messages — never reads it.
         let fresh = message.delivery_count <= 1;
+        // A dead-letter copy moved back to the source is a replay: a new
+        // message whatever the broker says of its deliveries, never settled
+        // by the mark its original left.
+        let replay = is_dead_letter_copy(message);
         let key = match self.key_of(message) {
             Ok(key) => key.clone(),
             Err(e) => {
                 // Its dead-letter copy may be stored already (the ack after
                 // it was lost): recorded under the message's own identity.
-                if !fresh && self.settings.source.copies_dead_letters() {
+                if let Some(mark) = keyless_mark(message)
+                    && !fresh
+                    && !replay
+                    && self.settings.source.copies_dead_letters()
+                {
                     match self
                         .engine
                         .store()
                         .sql()
-                        .delivery(&self.settings.name, &keyless_mark(message))
+                        .delivery(&self.settings.name, &mark)
                         .await
                     {
                         Ok((_, true)) => return Verdict::Ack(MessageOutcome::Duplicate),
@@ -345,7 +353,7 @@ impl Deliverer {
                 return Verdict::DeadLetter(format!("no usable business key: {e}"));
             }
         };
-        let (failures, dead_lettered) = match fresh {
+        let (failures, dead_lettered) = match fresh || replay {
             true => (0, false),
             false => match self
                 .engine
@@ -361,14 +369,12 @@ impl Deliverer {
         };
         let copied = dead_lettered && self.settings.source.copies_dead_letters();
         if copied || failures >= self.settings.max_deliveries {
-            // What the store says was the end of this key: unless an
-            // attempt is still running (a replay from the dead letters,
-            // delivered again while its first try is at the upstream) —
-            // then the engine decides, as for any copy in flight, and the
-            // message is neither acknowledged nor copied beside it.
+            // What the store says was the end of this key — once no
+            // attempt of it is open (a re-publish of it at the upstream, an
+            // uncertain try within its hold): until then the message waits,
+            // neither acknowledged beside that attempt nor sent again.
             match self.attempt_open(&key).await {
-                Err(()) => return Verdict::Wait(self.settings.retry_delay),
-                Ok(true) => {}
+                Err(()) | Ok(true) => return Verdict::Wait(self.settings.retry_delay),
                 // Its dead-letter copy is stored and the ack was lost:
                 // done, and no second copy.
                 Ok(false) if copied => return Verdict::Ack(MessageOutcome::Duplicate),
@@ -427,8 +433,10 @@ impl Deliverer {
     }
 
     /// Whether `key` has an attempt that has not ended: a record in flight
-    /// (its holder may be at the upstream) or uncertain. `Err`: the store
-    /// did not answer (nothing is decided without it).
+    /// under a live lease (its holder may be at the upstream) or uncertain
+    /// within its hold. An uncertain record past its hold is no attempt:
+    /// the dead letters already hold the message. `Err`: the store did not
+    /// answer (nothing is decided without it).
     async fn attempt_open(&self, key: &str) -> Result<bool, ()> {
         let records = self
             .engine
@@ -437,12 +445,7 @@ impl Deliverer {
             .find(&self.settings.name, key)
             .await
             .map_err(|_| ())?;
-        Ok(records.iter().any(|r| {
-            matches!(
-                r.state,
-                idemgate_store::RecordState::InFlight | idemgate_store::RecordState::Uncertain
-            )
-        }))
+        Ok(records.iter().any(idemgate_store::Record::is_held))
     }
 
     /// A delivery's span (traces on), continuing the producer's trace when
@@ -493,9 +496,13 @@ impl Deliverer {
     /// a second copy. Best effort: without it a redelivery makes a second
     /// copy, never a lost message.
     pub async fn dead_lettered(&self, message: &Message) {
-        let key = match self.key_of(message) {
-            Ok(key) => key.clone(),
-            Err(_) => keyless_mark(message),
+        let key = match (self.key_of(message), keyless_mark(message)) {
+            (Ok(key), _) => key.clone(),
+            (Err(_), Some(mark)) => mark,
+            // Nothing that names this message alone: a redelivery after a
+            // lost ack makes a second copy rather than risk another
+            // message's loss.
+            (Err(_), None) => return,
         };
         if let Err(e) = self
             .engine
@@ -742,17 +749,35 @@ pub(crate) async fn keep_connected<S, F>(
 }
 
 /// Where the dead-letter mark of a message without a usable key is kept:
-/// its id (as it came, unusable) and body hashed, behind a control
-/// character no usable key may hold, so it never meets a business key.
-fn keyless_mark(message: &Message) -> String {
+/// its broker id (as it came, unusable as a key) and body hashed, behind a
+/// control character no usable key may hold, so it never meets a business
+/// key. `None` without an id: a body alone does not name one message (two
+/// keyless messages may carry the same), and a mark shared by two would
+/// settle the second without its copy.
+fn keyless_mark(message: &Message) -> Option<String> {
     use sha2::{Digest, Sha256};
+    let id = message.id.as_deref()?.as_bytes();
     let mut hash = Sha256::new();
-    let id = message.id.as_deref().unwrap_or_default().as_bytes();
     hash.update((id.len() as u64).to_be_bytes());
     hash.update(id);
     hash.update(&message.body);
-    format!("\u{1}keyless:{}", hex::encode(hash.finalize()))
+    Some(format!("\u{1}keyless:{}", hex::encode(hash.finalize())))
 }
+
+/// Whether `message` is one of Idemgate's dead-letter copies (it carries
+/// the reason header each broker's copy gets).
+fn is_dead_letter_copy(message: &Message) -> bool {
+    message.headers.iter().any(|(name, _)| {
+        DEAD_LETTER_REASON_HEADERS
+            .iter()
+            .any(|h| name.eq_ignore_ascii_case(h))
+    })
+}
+
+/// The reason header of a dead-letter copy: RabbitMQ's; NATS's and Redis
+/// Streams' (`Idemgate-Reason`, `idemgate-reason`: names compare without
+/// case).
+const DEAD_LETTER_REASON_HEADERS: [&str; 2] = ["x-idemgate-reason", "idemgate-reason"];
 
 /// The reconnect pause after `failures` failed attempts in a row.
 pub(crate) fn backoff(failures: u32) -> Duration {

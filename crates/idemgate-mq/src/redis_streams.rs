@@ -6,7 +6,8 @@
 //!   group that vanished while this process ran (Redis restarted without
 //!   persistence, the stream deleted) is created again after the last
 //!   entry this process read, so nothing added in between is skipped.
-//!   Each process reads as a consumer of its own name; entries it has not
+//!   Each process reads as a consumer of its own name (the host, the pid
+//!   and a random tag); entries it has not
 //!   acknowledged stay in the group's pending list.
 //! - An entry is a message: its `body` field is the body (without one, the
 //!   body is a JSON object of every field, so `json:/pointer` keys work on
@@ -63,9 +64,13 @@ pub(super) async fn run(d: Arc<Deliverer>, source: StreamSource, stop: Cancellat
 /// This process's name in the group: stable for its life, different from
 /// every other process's.
 fn consumer_name(d: &Deliverer) -> String {
+    // HOSTNAME is often unset (systemd, cron), and pids repeat across
+    // hosts: a random tag drawn once per process keeps two hosts apart.
+    static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let tag = TAG.get_or_init(|| uuid::Uuid::new_v4().simple().to_string()[..8].to_owned());
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
     format!(
-        "idemgate-{}-{host}-{}",
+        "idemgate-{}-{host}-{}-{tag}",
         d.settings().name,
         std::process::id()
     )
@@ -91,9 +96,10 @@ async fn session(
         .await
         .map_err(failed)?;
     reader.set_response_timeout(READ_BLOCK + COMMAND_TIMEOUT);
-    // A group this process read before and finds missing starts after the
-    // last entry it read; a new one at the stream's end.
-    let start = lock(last_read).clone().unwrap_or_else(|| "$".to_owned());
+    let read_before = lock(last_read).clone();
+    let start = group_start(&mut conn, source, read_before)
+        .await
+        .map_err(failed)?;
     let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(&source.stream)
@@ -185,6 +191,34 @@ async fn session(
     session.cancel();
     running.detach_all();
     ended.and(Err("the stream read ended".to_owned()))
+}
+
+/// Where the group starts if it has to be created. A process that never
+/// read: at the stream's end (a new group takes what is added after it).
+/// One whose group vanished under it: after the last entry it read, while
+/// the stream still holds that entry; a stream without it is a new one
+/// (Redis restarted without persistence, the stream deleted and added to
+/// again) whose every entry came after, and its group starts at the
+/// beginning.
+async fn group_start(
+    conn: &mut MultiplexedConnection,
+    source: &StreamSource,
+    last_read: Option<String>,
+) -> Result<String, redis::RedisError> {
+    let Some(last) = last_read else {
+        return Ok("$".to_owned());
+    };
+    let still: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(&source.stream)
+        .arg(&last)
+        .arg(&last)
+        .query_async(conn)
+        .await?;
+    Ok(if still.ids.is_empty() {
+        "0".to_owned()
+    } else {
+        last
+    })
 }
 
 /// New entries for this consumer, `count` at most, blocking a moment.
@@ -294,7 +328,10 @@ async fn keep_claimed(mut conn: MultiplexedConnection, source: &StreamSource, me
             Ok(1) => {}
             Ok(_) => break,
             Err(e) => {
-                tracing::debug!(stream = %source.stream, id, error = %e, layer = "consumer", "could not reset an entry's idle time");
+                // Scripting refused (an ACL without EVAL/EVALSHA, a managed
+                // Redis without Lua) shows here: entries in hand are then
+                // claimed by others after claim_idle.
+                tracing::warn!(stream = %source.stream, id, error = %e, layer = "consumer", "could not reset an entry's idle time; another consumer may claim it after claim_idle");
             }
         }
     }

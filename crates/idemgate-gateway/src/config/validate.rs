@@ -62,7 +62,9 @@ impl Config {
                 Ok(url) if url.scheme() == "https" => add(
                     "telemetry.otlp_endpoint".into(),
                     format!(
-                        "{endpoint:?}: spans are exported in plain HTTP/2 or HTTP to a collector                          beside the gateway (an OpenTelemetry Collector or agent on the host or                          in the pod), which forwards them over TLS; https is not supported"
+                        "{endpoint:?}: spans are exported in plain HTTP/2 or HTTP to a collector \
+                         beside the gateway (an OpenTelemetry Collector or agent on the host or \
+                         in the pod), which forwards them over TLS; https is not supported"
                     ),
                 ),
                 _ => add(
