@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::Frame;
+use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
@@ -96,40 +96,62 @@ fn text(value: Option<&Value>) -> String {
     }
 }
 
-/// An OTLP/HTTP receiver (`POST /v1/traces`, protobuf).
-async fn http_receiver() -> (u16, Received) {
-    let received = Received::default();
+/// Serves `handler` on a fresh port of 127.0.0.1, over HTTP/1.1 or (`h2`)
+/// HTTP/2 without TLS; the port.
+async fn serve<F, Fut, B>(h2: bool, handler: F) -> u16
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<B>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let sink = received.clone();
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
             };
-            let sink = sink.clone();
+            let handler = handler.clone();
             tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                        let sink = sink.clone();
-                        async move {
-                            assert_eq!(req.uri().path(), "/v1/traces");
-                            let body = req.into_body().collect().await.unwrap().to_bytes();
-                            sink.take(ExportTraceServiceRequest::decode(body).unwrap());
-                            Ok::<_, Infallible>(
-                                Response::builder()
-                                    .header("content-type", "application/x-protobuf")
-                                    .body(Full::new(Bytes::new()))
-                                    .unwrap(),
-                            )
-                        }
-                    });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
+                let service = hyper::service::service_fn(move |req| {
+                    let answer = handler(req);
+                    async move { Ok::<_, Infallible>(answer.await) }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = if h2 {
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(io, service)
+                        .await
+                } else {
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, service)
+                        .await
+                };
             });
         }
     });
+    port
+}
+
+/// An OTLP/HTTP receiver (`POST /v1/traces`, protobuf).
+async fn http_receiver() -> (u16, Received) {
+    let received = Received::default();
+    let sink = received.clone();
+    let port = serve(false, move |req: Request<Incoming>| {
+        let sink = sink.clone();
+        async move {
+            assert_eq!(req.uri().path(), "/v1/traces");
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            sink.take(ExportTraceServiceRequest::decode(body).unwrap());
+            Response::builder()
+                .header("content-type", "application/x-protobuf")
+                .body(Full::new(Bytes::new()))
+                .unwrap()
+        }
+    })
+    .await;
     (port, received)
 }
 
@@ -137,58 +159,34 @@ async fn http_receiver() -> (u16, Received) {
 /// length-prefixed message in, an empty answer and `grpc-status: 0` out.
 async fn grpc_receiver() -> (u16, Received) {
     let received = Received::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
     let sink = received.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let sink = sink.clone();
-            tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                        let sink = sink.clone();
-                        async move {
-                            assert_eq!(
-                                req.uri().path(),
-                                "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
-                            );
-                            let body = req.into_body().collect().await.unwrap().to_bytes();
-                            // 1 byte "compressed", 4 bytes length, the message.
-                            assert_eq!(body[0], 0, "uncompressed");
-                            let length =
-                                u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
-                            sink.take(
-                                ExportTraceServiceRequest::decode(&body[5..5 + length]).unwrap(),
-                            );
-                            let frames = futures_util::stream::iter([
-                                Ok::<_, Infallible>(Frame::data(Bytes::from_static(&[
-                                    0, 0, 0, 0, 0,
-                                ]))),
-                                Ok(Frame::trailers({
-                                    let mut trailers = http::HeaderMap::new();
-                                    trailers
-                                        .insert("grpc-status", http::HeaderValue::from_static("0"));
-                                    trailers
-                                })),
-                            ]);
-                            Ok::<_, Infallible>(
-                                Response::builder()
-                                    .header("content-type", "application/grpc")
-                                    .body(StreamBody::new(frames))
-                                    .unwrap(),
-                            )
-                        }
-                    });
-                let _ =
-                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
-            });
+    let port = serve(true, move |req: Request<Incoming>| {
+        let sink = sink.clone();
+        async move {
+            assert_eq!(
+                req.uri().path(),
+                "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+            );
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            // 1 byte "compressed", 4 bytes length, the message.
+            assert_eq!(body[0], 0, "uncompressed");
+            let length = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
+            sink.take(ExportTraceServiceRequest::decode(&body[5..5 + length]).unwrap());
+            let frames = futures_util::stream::iter([
+                Ok::<_, Infallible>(Frame::data(Bytes::from_static(&[0, 0, 0, 0, 0]))),
+                Ok(Frame::trailers({
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                    trailers
+                })),
+            ]);
+            Response::builder()
+                .header("content-type", "application/grpc")
+                .body(StreamBody::new(frames))
+                .unwrap()
         }
-    });
+    })
+    .await;
     (port, received)
 }
 
@@ -196,40 +194,23 @@ async fn grpc_receiver() -> (u16, Received) {
 /// request (`None` when it carried none).
 async fn recording_upstream() -> (u16, Arc<Mutex<Vec<Option<String>>>>) {
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
     let record = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let record = record.clone();
-            tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                        let record = record.clone();
-                        async move {
-                            let parent = req
-                                .headers()
-                                .get("traceparent")
-                                .map(|v| v.to_str().unwrap().to_owned());
-                            record.lock().unwrap().push(parent);
-                            let _ = req.into_body().collect().await;
-                            Ok::<_, Infallible>(
-                                Response::builder()
-                                    .status(201)
-                                    .body(Full::new(Bytes::from_static(b"{\"ok\":true}")))
-                                    .unwrap(),
-                            )
-                        }
-                    });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
+    let port = serve(false, move |req: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            let parent = req
+                .headers()
+                .get("traceparent")
+                .map(|v| v.to_str().unwrap().to_owned());
+            record.lock().unwrap().push(parent);
+            let _ = req.into_body().collect().await;
+            Response::builder()
+                .status(201)
+                .body(Full::new(Bytes::from_static(b"{\"ok\":true}")))
+                .unwrap()
         }
-    });
+    })
+    .await;
     (port, seen)
 }
 
