@@ -1000,6 +1000,41 @@ async fn a_moved_back_dead_letter_delivered_again_is_still_tried() {
     stack.shutdown().await;
 }
 
+/// A replay that fails is dead-lettered on its own count, once: when the
+/// ack after its copy is lost, its redelivery is acknowledged, neither
+/// sent upstream again nor copied a second time.
+#[tokio::test]
+async fn a_replay_dead_lettered_again_is_copied_once() {
+    let Some((queue, stack)) =
+        dead_lettered_once("amqp_dlq_replay_once", "twice", "w-1", false).await
+    else {
+        return;
+    };
+    let mut copy = queue.take(&queue.dlq()).await.expect("the dead letter");
+    arm(&stack, r#"{"fail_status": 503, "count": 1}"#).await;
+    queue.republish(&copy).await;
+    let again = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(again, "{:?}", stack.upstream.state.stats());
+    assert_eq!(stack.upstream.state.stats().requests, 2);
+    // The ack after the replay's copy was lost: the broker delivers it
+    // again.
+    let mut headers = copy.delivery.properties.headers().clone().unwrap();
+    headers.insert(
+        "x-delivery-count".into(),
+        lapin::types::AMQPValue::LongLongInt(1),
+    );
+    copy.delivery.properties = copy.delivery.properties.clone().with_headers(headers);
+    queue.republish(&copy).await;
+    let acked = eventually(WAIT, || async {
+        metric(&stack, "pay", "duplicate").await == 1
+    })
+    .await;
+    assert!(acked, "{:?}", stack.upstream.state.stats());
+    assert_eq!(stack.upstream.state.stats().requests, 2, "sent again");
+    assert_eq!(queue.ready(&queue.dlq()).await, 1, "copied again");
+    stack.shutdown().await;
+}
+
 /// A replay from the dead letters that the broker delivers again while its
 /// first try is still at the upstream (its channel closed, say): the
 /// redelivery is not acknowledged on the strength of the old dead-letter
@@ -1482,6 +1517,44 @@ async fn redis_streams_an_entry_another_consumer_claimed_is_not_taken_back() {
     let done = eventually(WAIT, || async { stream.pending("g").await == 0 }).await;
     assert!(done, "the gateway's ack ends the entry whoever owns it");
     assert_eq!(executions(&stack, "taken"), 1);
+    stack.shutdown().await;
+    stream.delete().await;
+}
+
+/// Each process reads under a name of its own; the names earlier processes
+/// of this consumer left in the group, holding nothing, are removed — and
+/// nobody else's.
+#[tokio::test]
+async fn redis_streams_names_of_finished_processes_are_removed_from_the_group() {
+    let Some(stream) = RedisStream::new("redis_names", None).await else {
+        return;
+    };
+    let stack = Stack::start(&stream.consumer(
+        "orders",
+        "/actions/names",
+        "business_key = [\"msg:header:order_id\"]\nclaim_idle = \"1s\"",
+    ))
+    .await;
+    assert!(eventually(WAIT, || async { stream.exists().await }).await);
+    stream
+        .create_consumer("g", "idemgate-orders-gone-1-0000")
+        .await;
+    stream.create_consumer("g", "someone-else").await;
+    let forgotten = eventually(WAIT, || async {
+        !stream
+            .consumers("g")
+            .await
+            .iter()
+            .any(|c| c == "idemgate-orders-gone-1-0000")
+    })
+    .await;
+    assert!(forgotten, "{:?}", stream.consumers("g").await);
+    let names = stream.consumers("g").await;
+    assert!(names.iter().any(|c| c == "someone-else"), "{names:?}");
+    // The live gateway still reads and acknowledges.
+    stream.add(&[("order_id", "n-1"), ("body", "{}")]).await;
+    assert!(eventually(WAIT, || async { executions(&stack, "names") == 1 }).await);
+    assert!(eventually(WAIT, || async { stream.pending("g").await == 0 }).await);
     stack.shutdown().await;
     stream.delete().await;
 }

@@ -249,6 +249,12 @@ async fn dead_letter(
         "x-idemgate-reason".into(),
         AMQPValue::LongString(LongString::from(reason.to_owned())),
     );
+    // Which copy this is: moved back to the queue, it is counted apart
+    // from the original (and from other copies).
+    headers.insert(
+        "x-idemgate-copy".into(),
+        AMQPValue::LongString(LongString::from(uuid::Uuid::now_v7().to_string())),
+    );
     headers.insert(
         "x-idemgate-consumer".into(),
         AMQPValue::LongString(LongString::from(d.settings().name.to_string())),

@@ -324,10 +324,6 @@ impl Deliverer {
         // elsewhere do not bring a message nearer the dead letters). A
         // fresh delivery — most messages — never reads it.
         let fresh = message.delivery_count <= 1;
-        // A dead-letter copy moved back to the source is a replay: a new
-        // message whatever the broker says of its deliveries, never settled
-        // by the mark its original left.
-        let replay = is_dead_letter_copy(message);
         let key = match self.key_of(message) {
             Ok(key) => key.clone(),
             Err(e) => {
@@ -335,7 +331,6 @@ impl Deliverer {
                 // it was lost): recorded under the message's own identity.
                 if let Some(mark) = keyless_mark(message)
                     && !fresh
-                    && !replay
                     && self.settings.source.copies_dead_letters()
                 {
                     match self
@@ -353,13 +348,17 @@ impl Deliverer {
                 return Verdict::DeadLetter(format!("no usable business key: {e}"));
             }
         };
-        let (failures, dead_lettered) = match fresh || replay {
+        // A dead-letter copy moved back to the source (a replay) is counted
+        // and marked apart from its original: never settled by the mark
+        // the original left, and dead-lettered once itself.
+        let row = delivery_row(&key, message);
+        let (failures, dead_lettered) = match fresh {
             true => (0, false),
             false => match self
                 .engine
                 .store()
                 .sql()
-                .delivery(&self.settings.name, &key)
+                .delivery(&self.settings.name, &row)
                 .await
             {
                 Ok(found) => found,
@@ -414,7 +413,7 @@ impl Deliverer {
         };
         let response = answer.response;
         let verdict = self
-            .judge(&key, fresh, answer.verdict, response.status())
+            .judge(&row, fresh, answer.verdict, response.status())
             .await;
         if let Some(span) = &span {
             span.record("outcome", verdict.name());
@@ -497,7 +496,7 @@ impl Deliverer {
     /// copy, never a lost message.
     pub async fn dead_lettered(&self, message: &Message) {
         let key = match (self.key_of(message), keyless_mark(message)) {
-            (Ok(key), _) => key.clone(),
+            (Ok(key), _) => delivery_row(key, message),
             (Err(_), Some(mark)) => mark,
             // Nothing that names this message alone: a redelivery after a
             // lost ack makes a second copy rather than risk another
@@ -551,7 +550,7 @@ impl Deliverer {
     /// upstream attempt is counted in the store, for every instance.
     async fn judge(
         &self,
-        key: &str,
+        row: &str,
         fresh: bool,
         verdict: EngineVerdict,
         status: StatusCode,
@@ -591,7 +590,7 @@ impl Deliverer {
             .engine
             .store()
             .sql()
-            .count_delivery_failure(&self.settings.name, key, fresh)
+            .count_delivery_failure(&self.settings.name, row, fresh)
             .await
         {
             Ok(failures) => failures,
@@ -757,27 +756,40 @@ pub(crate) async fn keep_connected<S, F>(
 fn keyless_mark(message: &Message) -> Option<String> {
     use sha2::{Digest, Sha256};
     let id = message.id.as_deref()?.as_bytes();
+    let copy = copy_id(message).unwrap_or_default();
     let mut hash = Sha256::new();
-    hash.update((id.len() as u64).to_be_bytes());
-    hash.update(id);
+    for part in [id, copy.as_bytes()] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part);
+    }
     hash.update(&message.body);
     Some(format!("\u{1}keyless:{}", hex::encode(hash.finalize())))
 }
 
-/// Whether `message` is one of Idemgate's dead-letter copies (it carries
-/// the reason header each broker's copy gets).
-fn is_dead_letter_copy(message: &Message) -> bool {
-    message.headers.iter().any(|(name, _)| {
-        DEAD_LETTER_REASON_HEADERS
-            .iter()
-            .any(|h| name.eq_ignore_ascii_case(h))
-    })
+/// The store row that counts `message`'s failed attempts and keeps its
+/// dead-letter mark: its key's, or for one of Idemgate's dead-letter
+/// copies moved back to the source, a row of that copy's own.
+fn delivery_row(key: &str, message: &Message) -> String {
+    match copy_id(message) {
+        Some(copy) => format!("{key}\u{1}copy:{copy}"),
+        None => key.to_owned(),
+    }
 }
 
-/// The reason header of a dead-letter copy: RabbitMQ's; NATS's and Redis
-/// Streams' (`Idemgate-Reason`, `idemgate-reason`: names compare without
-/// case).
-const DEAD_LETTER_REASON_HEADERS: [&str; 2] = ["x-idemgate-reason", "idemgate-reason"];
+/// Which dead-letter copy `message` is, if it is one: the copy header each
+/// broker's copy gets (`x-idemgate-copy`, `Idemgate-Copy`, `idemgate-copy`;
+/// names compare without case), or for a copy made before that header, its
+/// reason header.
+fn copy_id(message: &Message) -> Option<String> {
+    [
+        "x-idemgate-copy",
+        "idemgate-copy",
+        "x-idemgate-reason",
+        "idemgate-reason",
+    ]
+    .iter()
+    .find_map(|name| message.header(name).and_then(Result::ok))
+}
 
 /// The reconnect pause after `failures` failed attempts in a row.
 pub(crate) fn backoff(failures: u32) -> Duration {

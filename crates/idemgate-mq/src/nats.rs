@@ -243,6 +243,7 @@ async fn dead_letter(
     headers.insert("Nats-Msg-Id", id);
     headers.insert("Idemgate-Reason", sanitize(reason));
     headers.insert("Idemgate-Consumer", d.settings().name.to_string());
+    headers.insert("Idemgate-Copy", uuid::Uuid::now_v7().to_string());
     headers.insert("Idemgate-Subject", message.subject.to_string());
     if let Some(id) = message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
         headers.insert("Idemgate-Msg-Id", id.as_str());

@@ -5,7 +5,8 @@
 //!   $ MKSTREAM`: a new group starts with the entries added after it). A
 //!   group that vanished while this process ran (Redis restarted without
 //!   persistence, the stream deleted) is created again after the last
-//!   entry this process read, so nothing added in between is skipped.
+//!   entry this process read, so nothing added in between is skipped and
+//!   nothing handled before is read again.
 //!   Each process reads as a consumer of its own name (the host, the pid
 //!   and a random tag); entries it has not
 //!   acknowledged stay in the group's pending list.
@@ -23,7 +24,8 @@
 //!   store answers what was already done. An entry's idle time is reset
 //!   only while this process still owns it.
 //! - Dead letters are added to `<stream>.dlq` with the original's fields
-//!   and `idemgate-reason`, `idemgate-consumer`, `idemgate-id` (the
+//!   (but Idemgate's own) and `idemgate-reason`, `idemgate-copy`,
+//!   `idemgate-consumer`, `idemgate-id` (the
 //!   original's entry id), recorded in the store, then the original is
 //!   acknowledged: a claim of it after a lost `XACK` adds no second copy.
 
@@ -96,10 +98,15 @@ async fn session(
         .await
         .map_err(failed)?;
     reader.set_response_timeout(READ_BLOCK + COMMAND_TIMEOUT);
+    // Where the group starts if it has to be created: for a process that
+    // never read, at the stream's end (a new group takes what is added
+    // after it); for one whose group vanished under it, after the last
+    // entry it read — in the same stream, trimmed or not, and in one made
+    // again after a Redis restart, whose entries (ids by time) come after
+    // it. Never from the beginning: entries handled long ago, past the
+    // store's retention, would run again.
     let read_before = lock(last_read).clone();
-    let start = group_start(&mut conn, source, read_before)
-        .await
-        .map_err(failed)?;
+    let start = read_before.clone().unwrap_or_else(|| "$".to_owned());
     let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(&source.stream)
@@ -108,10 +115,12 @@ async fn session(
         .arg("MKSTREAM")
         .query_async(&mut conn)
         .await;
-    if let Err(e) = created
-        && e.code() != Some("BUSYGROUP")
-    {
-        return Err(failed(e));
+    match created {
+        Err(e) if e.code() != Some("BUSYGROUP") => return Err(failed(e)),
+        Ok(()) if read_before.is_some() => {
+            tracing::warn!(consumer = %d.settings().name, stream = %source.stream, group = %source.group, after = %start, layer = "consumer", "the consumer group had vanished (Redis restarted without persistence, the stream deleted); made again after the last entry read here");
+        }
+        _ => {}
     }
     let me: Arc<str> = consumer_name(d).into();
     let settings = d.settings();
@@ -144,7 +153,12 @@ async fn session(
         let claimed = tokio::time::Instant::now() >= next_claim;
         let entries = if claimed {
             next_claim = tokio::time::Instant::now() + claim_every;
-            claim(&mut conn, source, &me, free, &mut cursor).await
+            let claimed = claim(&mut conn, source, &me, free, &mut cursor).await;
+            if cursor == "0-0" {
+                // A whole scan done: the names of finished processes go.
+                forget_finished(&mut conn, source, &me, &d.settings().name).await;
+            }
+            claimed
         } else {
             let read = read(&mut reader, source, &me, free).await;
             if let Ok(Some(last)) = read.as_ref().map(|entries| entries.last()) {
@@ -191,34 +205,6 @@ async fn session(
     session.cancel();
     running.detach_all();
     ended.and(Err("the stream read ended".to_owned()))
-}
-
-/// Where the group starts if it has to be created. A process that never
-/// read: at the stream's end (a new group takes what is added after it).
-/// One whose group vanished under it: after the last entry it read, while
-/// the stream still holds that entry; a stream without it is a new one
-/// (Redis restarted without persistence, the stream deleted and added to
-/// again) whose every entry came after, and its group starts at the
-/// beginning.
-async fn group_start(
-    conn: &mut MultiplexedConnection,
-    source: &StreamSource,
-    last_read: Option<String>,
-) -> Result<String, redis::RedisError> {
-    let Some(last) = last_read else {
-        return Ok("$".to_owned());
-    };
-    let still: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg(&source.stream)
-        .arg(&last)
-        .arg(&last)
-        .query_async(conn)
-        .await?;
-    Ok(if still.ids.is_empty() {
-        "0".to_owned()
-    } else {
-        last
-    })
 }
 
 /// New entries for this consumer, `count` at most, blocking a moment.
@@ -269,6 +255,42 @@ async fn claim(
         .await?;
     *cursor = reply.next_stream_id;
     Ok(reply.claimed)
+}
+
+/// Removes from the group the consumers of earlier processes of this
+/// consumer (same name prefix) that hold no pending entry and have been
+/// idle past `claim_idle`: each process reads under a name of its own, and
+/// without this every restart would leave one behind. Safe for a live one
+/// too: holding nothing, it loses nothing, and Redis makes it again on its
+/// next read. Best effort.
+async fn forget_finished(
+    conn: &mut MultiplexedConnection,
+    source: &StreamSource,
+    me: &str,
+    consumer: &str,
+) {
+    let prefix = format!("idemgate-{consumer}-");
+    let listed: Result<redis::streams::StreamInfoConsumersReply, _> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(&source.stream)
+        .arg(&source.group)
+        .query_async(conn)
+        .await;
+    let Ok(listed) = listed else {
+        return;
+    };
+    let idle = source.claim_idle.as_millis();
+    for gone in listed.consumers.iter().filter(|c| {
+        c.name != me && c.name.starts_with(&prefix) && c.pending == 0 && c.idle as u128 > idle
+    }) {
+        let _: Result<i64, _> = redis::cmd("XGROUP")
+            .arg("DELCONSUMER")
+            .arg(&source.stream)
+            .arg(&source.group)
+            .arg(&gone.name)
+            .query_async(conn)
+            .await;
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -404,10 +426,15 @@ async fn dead_letter(
 ) -> Result<(), String> {
     let mut add = redis::cmd("XADD");
     add.arg(&source.dead_letter).arg("*");
+    // A copy of a copy keeps one set of Idemgate's fields: the new one.
     for (field, value) in sorted_fields(entry) {
-        add.arg(field).arg(value);
+        if !field.starts_with("idemgate-") {
+            add.arg(field).arg(value);
+        }
     }
-    add.arg("idemgate-reason")
+    add.arg("idemgate-copy")
+        .arg(uuid::Uuid::now_v7().to_string())
+        .arg("idemgate-reason")
         .arg(reason)
         .arg("idemgate-consumer")
         .arg(d.settings().name.as_ref())

@@ -683,6 +683,30 @@ impl RedisStream {
             .unwrap();
     }
 
+    /// Adds `consumer` to `group` (`XGROUP CREATECONSUMER`).
+    pub async fn create_consumer(&self, group: &str, consumer: &str) {
+        let _: i64 = redis::cmd("XGROUP")
+            .arg("CREATECONSUMER")
+            .arg(&self.name)
+            .arg(group)
+            .arg(consumer)
+            .query_async(&mut self.conn().await)
+            .await
+            .unwrap();
+    }
+
+    /// The names of `group`'s consumers.
+    pub async fn consumers(&self, group: &str) -> Vec<String> {
+        let reply: redis::streams::StreamInfoConsumersReply = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(&self.name)
+            .arg(group)
+            .query_async(&mut self.conn().await)
+            .await
+            .unwrap();
+        reply.consumers.into_iter().map(|c| c.name).collect()
+    }
+
     /// The consumer that owns pending entry `id`, if it is pending.
     pub async fn owner(&self, group: &str, id: &str) -> Option<String> {
         let reply: redis::Value = redis::cmd("XPENDING")
