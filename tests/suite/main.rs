@@ -22,6 +22,7 @@ mod layering;
 mod library;
 mod operations;
 mod operators;
+mod partitions;
 mod principals;
 mod protocols;
 mod proxy;

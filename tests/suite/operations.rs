@@ -167,6 +167,8 @@ async fn migrate_keys_and_sweep_commands_work_on_the_embedded_store() {
         timeout: Duration::from_secs(2),
         tombstone: Duration::ZERO,
         schema: None,
+        retention: Duration::from_secs(86_400),
+        partition_span: Duration::from_secs(86_400),
     })
     .await
     .unwrap();

@@ -50,10 +50,15 @@ impl Drop for Opened {
     }
 }
 
+/// Past a 100 ms retention, and past the end of the one-second Postgres
+/// partition its expiry falls in (a partition is retired whole).
+const PAST_PARTITION: Duration = Duration::from_millis(1300);
+
 async fn sql_store(
     backend: Backend,
     test: &str,
     tombstone: Duration,
+    retention: Duration,
 ) -> Option<(SqlStore, Option<tempfile::TempDir>)> {
     let (url, dir) = match backend {
         Backend::Sqlite | Backend::MemorySqlite => {
@@ -71,6 +76,9 @@ async fn sql_store(
         timeout: Duration::from_secs(2),
         tombstone,
         schema: None,
+        retention,
+        // As the gateway sizes them, with a sweep every second.
+        partition_span: idemgate_store::sql::partition_span(retention, Duration::from_secs(1)),
     })
     .await
     .unwrap();
@@ -94,7 +102,7 @@ async fn open_with_tombstone(
     retention: Duration,
     tombstone: Duration,
 ) -> Option<Opened> {
-    let (sql, dir) = sql_store(backend, test, tombstone).await?;
+    let (sql, dir) = sql_store(backend, test, tombstone, retention).await?;
     let fast: Option<Arc<dyn FastLayer>> = match backend {
         Backend::Sqlite | Backend::Postgres => None,
         Backend::MemorySqlite => Some(Arc::new(MemoryLayer::new(10_000))),
@@ -177,7 +185,7 @@ async fn concurrent_claims_have_one_winner(backend: Backend, test: &str) {
 /// one key, and the database alone decides. A single store's batch writer
 /// serialises its own claims, so it could not show this.
 async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str) {
-    let (sql_a, dir) = match sql_store(backend, test, Duration::ZERO).await {
+    let (sql_a, dir) = match sql_store(backend, test, Duration::ZERO, LONG).await {
         Some(s) => s,
         None => return,
     };
@@ -193,6 +201,8 @@ async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str)
         timeout: Duration::from_secs(2),
         tombstone: Duration::ZERO,
         schema: None,
+        retention: LONG,
+        partition_span: idemgate_store::sql::partition_span(LONG, Duration::from_secs(1)),
     })
     .await
     .unwrap();
@@ -357,7 +367,7 @@ async fn sweep_removes_or_archives_expired_records(backend: Backend, test: &str)
         o.store.claim(&held, "fp", "r").await.unwrap(),
         Claim::Won { .. }
     ));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(PAST_PARTITION).await;
     assert_eq!(sweep::sweep_once(o.store.sql(), false).await.unwrap(), 3);
     assert!(o.store.get(&key("old-0")).await.unwrap().is_none());
     assert!(o.store.get(&held).await.unwrap().is_some());
@@ -370,7 +380,7 @@ async fn sweep_removes_or_archives_expired_records(backend: Backend, test: &str)
             .await
             .unwrap()
     );
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(PAST_PARTITION).await;
     assert_eq!(sweep::sweep_once(o.store.sql(), true).await.unwrap(), 1);
     assert_eq!(o.store.sql().archived().await.unwrap(), 1);
     assert!(o.store.get(&k).await.unwrap().is_none());
@@ -626,7 +636,8 @@ async fn a_tombstone_outlives_the_retention_then_is_swept(backend: Backend, test
         o.store.claim(&k, "fp", "d").await.unwrap(),
         Claim::Expired { .. }
     ));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The tombstone's end, then its partition's.
+    tokio::time::sleep(Duration::from_millis(1500) + PAST_PARTITION).await;
     assert_eq!(sweep::sweep_once(o.store.sql(), false).await.unwrap(), 1);
     assert!(o.store.get(&k).await.unwrap().is_none());
     assert!(matches!(

@@ -25,6 +25,8 @@ async fn redis_store(test: &str) -> Option<(Store, PrivateRedis, Arc<Metrics>)> 
         timeout: Duration::from_secs(2),
         tombstone: Duration::ZERO,
         schema: None,
+        retention: settings().retention,
+        partition_span: settings().retention,
     })
     .await
     .unwrap();
@@ -55,6 +57,8 @@ async fn sql_store(url: String, timeout: Duration) -> Store {
         timeout,
         tombstone: Duration::ZERO,
         schema: None,
+        retention: settings().retention,
+        partition_span: settings().retention,
     })
     .await
     .unwrap();

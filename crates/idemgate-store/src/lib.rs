@@ -302,6 +302,8 @@ pub struct StoreOptions {
     pub fast_layer_budget: Duration,
     /// Bytes the in-process fast layer may hold.
     pub memory_layer_bytes: usize,
+    /// How often the sweeper runs (Postgres sizes its partitions by it).
+    pub sweep_interval: Duration,
 }
 
 impl Default for StoreOptions {
@@ -318,6 +320,7 @@ impl Default for StoreOptions {
             tombstone: Duration::ZERO,
             fast_layer_budget: DEFAULT_FAST_LAYER_BUDGET,
             memory_layer_bytes: memory::DEFAULT_MAX_BYTES,
+            sweep_interval: DEFAULT_SWEEP_INTERVAL,
         }
     }
 }
@@ -397,6 +400,8 @@ fn sql_settings(config: &StoreOptions, pool_size: u32) -> sql::SqlSettings {
         timeout: config.timeout,
         tombstone: config.tombstone,
         schema: config.schema.clone(),
+        retention: config.retention,
+        partition_span: sql::partition_span(config.retention, config.sweep_interval),
     }
 }
 

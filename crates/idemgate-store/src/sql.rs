@@ -51,6 +51,8 @@ use super::statements::{Statements, millis};
 use super::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse};
 
 mod batched;
+#[cfg(feature = "postgres")]
+mod partitions;
 mod rows;
 
 pub use batched::{Completion, NewClaim};
@@ -93,6 +95,9 @@ pub struct SqlStore {
     /// (see [`super::held`]): only with room left in the pool.
     hold_batch_connections: bool,
     schema: Option<String>,
+    /// Postgres: how far ahead partitions are made, and how wide.
+    retention: Duration,
+    partition_span: Duration,
 }
 
 /// How long Postgres may work on one statement. With the wait for a pooled
@@ -116,6 +121,7 @@ fn acquire_bound(timeout: Duration) -> Duration {
 /// (one that died meanwhile is replaced instead of failing a batch).
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 
+#[cfg(feature = "sqlite")]
 const COUNT_ARCHIVE: &str = "SELECT COUNT(*) FROM idempotency_archive";
 
 /// Connection settings of the SQL store.
@@ -131,6 +137,25 @@ pub struct SqlSettings {
     /// Postgres: the schema the tables live in (see
     /// [`super::StoreOptions::schema`]).
     pub schema: Option<String>,
+    /// `store.retention`: Postgres makes partitions this far ahead.
+    pub retention: Duration,
+    /// Postgres: the span of expiries one partition holds (see
+    /// [`partition_span`]).
+    pub partition_span: Duration,
+}
+
+/// The narrowest and widest span of expiries one Postgres partition holds.
+pub const MIN_PARTITION_SPAN: Duration = Duration::from_secs(1);
+pub const MAX_PARTITION_SPAN: Duration = Duration::from_secs(24 * 3600);
+
+/// The span of one Postgres partition: the retention, or the sweep
+/// interval where that is longer (so a sweep never has more than a few
+/// partitions to make or retire), within a second and a day. Records live
+/// at most one span past their retention before their partition goes.
+pub fn partition_span(retention: Duration, sweep_interval: Duration) -> Duration {
+    retention
+        .max(sweep_interval)
+        .clamp(MIN_PARTITION_SPAN, MAX_PARTITION_SPAN)
 }
 
 /// A schema name as the store accepts it: a plain lowercase SQL
@@ -182,6 +207,10 @@ impl SqlStore {
             timeout: settings.timeout,
             tombstone: settings.tombstone,
             schema: settings.schema.clone(),
+            retention: settings.retention,
+            partition_span: settings
+                .partition_span
+                .clamp(MIN_PARTITION_SPAN, MAX_PARTITION_SPAN),
         })
     }
 
@@ -280,13 +309,33 @@ impl SqlStore {
         Err(not_built("postgres"))
     }
 
-    /// Applies the migrations of this store's database.
+    /// Applies the migrations of this store's database, then (Postgres)
+    /// makes the partitions the next claims land in.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        self.migrate_until(None).await?;
+        #[cfg(feature = "postgres")]
+        if let Err(e) = self.extend_partitions().await {
+            // The default partition takes the claims meanwhile; the
+            // sweeper tries again.
+            tracing::warn!(error = %e, layer = "sql", "making the record partitions failed; will retry");
+        }
+        Ok(())
+    }
+
+    /// The migrations up to `version` only: a database as an earlier
+    /// release left it (upgrade tests).
+    #[doc(hidden)]
+    pub async fn migrate_until(&self, version: Option<i64>) -> Result<(), StoreError> {
         let result = match &self.pool {
             #[cfg(feature = "postgres")]
-            Pool::Postgres(pool) => super::migrations::postgres(pool, self.schema.as_deref()).await,
+            Pool::Postgres(pool) => {
+                super::migrations::postgres(pool, self.schema.as_deref(), version).await
+            }
             #[cfg(feature = "sqlite")]
-            Pool::Sqlite(pool) => super::migrations::sqlite(pool).await,
+            Pool::Sqlite(pool) => {
+                let _ = version;
+                super::migrations::sqlite(pool).await
+            }
         };
         result.map_err(|e| StoreError::Migrate(e.to_string()))
     }
@@ -412,19 +461,32 @@ impl SqlStore {
     ) -> Result<Option<(Claim, Duration)>, StoreError> {
         let key = &c.key;
         let statement = self.sql().claim_takeover.as_str();
-        let taken: Option<(i64, i64, bool)> = self
+        let take = async || -> Result<Option<(i64, i64, bool)>, sqlx::Error> {
+            with_pool!(self, pool => {
+                sqlx::query(statement)
+                    .bind(&key.scope).bind(&key.route).bind(&key.key).bind(&c.fingerprint)
+                    .bind(millis(c.lease)).bind(&c.request_id).bind(millis(c.retention))
+                    .bind(millis(if c.past_tombstone { Duration::ZERO } else { self.tombstone }))
+                    .fetch_optional(pool).await
+                    .and_then(|row| {
+                        row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                            .transpose()
+                    })
+            })
+        };
+        let taken = self
             .bounded("claim", async {
-                with_pool!(self, pool => {
-                    sqlx::query(statement)
-                        .bind(&key.scope).bind(&key.route).bind(&key.key).bind(&c.fingerprint)
-                        .bind(millis(c.lease)).bind(&c.request_id).bind(millis(c.retention))
-                        .bind(millis(if c.past_tombstone { Duration::ZERO } else { self.tombstone }))
-                        .fetch_optional(pool).await
-                        .and_then(|row| {
-                            row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
-                                .transpose()
-                        })
-                })
+                match take().await {
+                    // The successor's expiry found no partition (Postgres).
+                    #[cfg(feature = "postgres")]
+                    Err(e) if partitions::no_partition(&e) => {
+                        self.extend_partitions_for(c.retention)
+                            .await
+                            .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+                        take().await
+                    }
+                    taken => taken,
+                }
             })
             .await?;
         if let Some((epoch, expires_at_ms, maybe_ran)) = taken {
@@ -757,26 +819,36 @@ impl SqlStore {
         Ok(Purged { removed, held })
     }
 
-    /// Removes (or archives) one batch of expired records; returns how many.
-    pub async fn sweep_batch(&self, archive: bool) -> Result<u64, StoreError> {
+    /// Removes (or archives) one batch of expired records; returns how
+    /// many. On Postgres, of one partition: `table` (see
+    /// [`Self::sweep_partitions`]); SQLite has the one table.
+    pub async fn sweep_batch(&self, archive: bool, table: &str) -> Result<u64, StoreError> {
         let statements = self.sql();
         let tombstone = millis(self.tombstone);
+        #[cfg(not(feature = "postgres"))]
+        let _ = table;
         self.bounded("sweep", async {
             match (&self.pool, archive) {
                 #[cfg(feature = "postgres")]
-                (Pool::Postgres(pool), false) => sqlx::query(statements.sweep_delete.as_str())
-                    .bind(SWEEP_BATCH)
-                    .bind(tombstone)
-                    .execute(pool)
-                    .await
-                    .map(|r| r.rows_affected()),
+                (Pool::Postgres(pool), false) => {
+                    let text = statements.sweep_delete.replace("{table}", table);
+                    sqlx::query(sqlx::AssertSqlSafe(text))
+                        .bind(SWEEP_BATCH)
+                        .bind(tombstone)
+                        .execute(pool)
+                        .await
+                        .map(|r| r.rows_affected())
+                }
                 #[cfg(feature = "postgres")]
-                (Pool::Postgres(pool), true) => sqlx::query(statements.sweep_archive_pg.as_str())
-                    .bind(SWEEP_BATCH)
-                    .bind(tombstone)
-                    .execute(pool)
-                    .await
-                    .map(|r| r.rows_affected()),
+                (Pool::Postgres(pool), true) => {
+                    let text = statements.sweep_archive_pg.replace("{table}", table);
+                    sqlx::query(sqlx::AssertSqlSafe(text))
+                        .bind(SWEEP_BATCH)
+                        .bind(tombstone)
+                        .execute(pool)
+                        .await
+                        .map(|r| r.rows_affected())
+                }
                 #[cfg(feature = "sqlite")]
                 (Pool::Sqlite(pool), false) => sqlx::query(statements.sweep_delete.as_str())
                     .bind(SWEEP_BATCH)
@@ -916,12 +988,22 @@ impl SqlStore {
         .await
     }
 
-    /// Rows in the archive table (operators, tests).
+    /// Rows archived (operators, tests): on Postgres, in the archive
+    /// table and in the partitions retired with `store.archive`.
     pub async fn archived(&self) -> Result<i64, StoreError> {
         self.bounded("archived", async {
-            with_pool!(self, pool => {
-                sqlx::query(COUNT_ARCHIVE).fetch_one(pool).await?.try_get::<i64, _>(0)
-            })
+            match &self.pool {
+                #[cfg(feature = "postgres")]
+                Pool::Postgres(pool) => sqlx::query("SELECT idempotency_archived()")
+                    .fetch_one(pool)
+                    .await?
+                    .try_get::<i64, _>(0),
+                #[cfg(feature = "sqlite")]
+                Pool::Sqlite(pool) => sqlx::query(COUNT_ARCHIVE)
+                    .fetch_one(pool)
+                    .await?
+                    .try_get::<i64, _>(0),
+            }
         })
         .await
     }

@@ -77,10 +77,11 @@ pub(super) struct Statements {
     /// Forgets purges older than `$1` ms.
     pub trim_purges: String,
     /// `$1` rows at most, `$2 tombstone ms`: forgotten rows (retention and
-    /// tombstone over).
+    /// tombstone over). On Postgres, `{table}` is the partition swept row
+    /// by row (the default one, or one still held).
     pub sweep_delete: String,
-    /// Postgres: move `$1` forgotten rows (`$2 tombstone ms`) to the
-    /// archive in one statement.
+    /// Postgres: move `$1` forgotten rows (`$2 tombstone ms`) of the
+    /// partition `{table}` to the archive in one statement.
     pub sweep_archive_pg: String,
     /// SQLite: copy `$1` rows forgotten at time `$2` (`$3 tombstone ms`;
     /// then `sweep_delete_at` with the same `$2`, in one transaction: both
@@ -104,10 +105,30 @@ const PG_EPOCH: &str = "(extract(epoch from clock_timestamp()) * 1000000)::bigin
 const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
 const SQLITE_EPOCH: &str = "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)";
 
-pub(super) static POSTGRES: LazyLock<Statements> =
-    LazyLock::new(|| Statements::with_clock(PG_NOW, PG_EPOCH));
-pub(super) static SQLITE: LazyLock<Statements> =
-    LazyLock::new(|| Statements::with_clock(SQLITE_NOW, SQLITE_EPOCH));
+pub(super) static POSTGRES: LazyLock<Statements> = LazyLock::new(|| {
+    // The record table is partitioned by expiry: a row inserted anywhere
+    // goes through the functions of `migrations/postgres/0006_partitions.sql`,
+    // which keep one row per key across partitions.
+    Statements {
+        claim_insert: "SELECT epoch, expires_at FROM idempotency_claim(ARRAY[$1::text], \
+             ARRAY[$2::text], ARRAY[$3::text], ARRAY[$4::text], $5::int8, ARRAY[$6::text], $7::int8)"
+            .to_owned(),
+        claim_insert_many: "SELECT scope, route, idem_key, epoch, expires_at FROM idempotency_claim(\
+             $1::text[], $2::text[], $3::text[], $4::text[], $5::int8, $6::text[], $7::int8)"
+            .to_owned(),
+        claim_takeover: "SELECT epoch, expires_at, maybe_ran FROM idempotency_take_over(\
+             $1::text, $2::text, $3::text, $4::text, $5::int8, $6::text, $7::int8, $8::int8)"
+            .to_owned(),
+        ..Statements::with_clock(PG_NOW, PG_EPOCH)
+    }
+});
+pub(super) static SQLITE: LazyLock<Statements> = LazyLock::new(|| {
+    let mut sqlite = Statements::with_clock(SQLITE_NOW, SQLITE_EPOCH);
+    sqlite.sweep_delete = sqlite
+        .sweep_delete
+        .replace("{table}", "idempotency_records");
+    sqlite
+});
 
 const COLUMNS: &str = "fingerprint, state, epoch, lease_until, request_id, status, headers, body, \
      body_kept, created_at, updated_at, expires_at, scope, route, idem_key";
@@ -293,16 +314,16 @@ impl Statements {
             last_purge: fill("SELECT COALESCE(MAX(id), 0) FROM idempotency_purges"),
             trim_purges: fill("DELETE FROM idempotency_purges WHERE purged_at < {now} - $1"),
             sweep_delete: fill_tomb(
-                "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
-                   SELECT route, idem_key, scope FROM idempotency_records \
+                "DELETE FROM {table} WHERE (route, idem_key, scope) IN ( \
+                   SELECT route, idem_key, scope FROM {table} \
                    WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
                  AND {sweepable}",
                 "$2",
             ),
             sweep_archive_pg: fill_tomb(
                 "WITH moved AS ( \
-                   DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
-                     SELECT route, idem_key, scope FROM idempotency_records \
+                   DELETE FROM {table} WHERE (route, idem_key, scope) IN ( \
+                     SELECT route, idem_key, scope FROM {table} \
                      WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
                    AND {sweepable} \
                    RETURNING scope, route, idem_key, fingerprint, state, epoch, request_id, \

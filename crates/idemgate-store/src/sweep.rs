@@ -1,6 +1,12 @@
 //! Retention: the sweeper deletes (or archives) expired records.
 //!
-//! It works in bounded batches ([`super::sql::SWEEP_BATCH`] rows per
+//! On Postgres the record table is partitioned by expiry, and the sweeper
+//! first makes the partitions ahead and retires the partitions whose
+//! records are all forgotten (`sql/partitions.rs`): no row-by-row work for
+//! them. What is left — the default partition, and a partition a live
+//! lease still holds — and SQLite's one table are swept row by row.
+//!
+//! Row sweeping works in bounded batches ([`super::sql::SWEEP_BATCH`] rows per
 //! statement), never one huge transaction, so a backlog of millions of rows
 //! never holds locks for long. Records still held under a live lease are
 //! left alone until they are resolved or their lease runs out.
@@ -31,15 +37,21 @@ async fn sweep_from(
     archive: bool,
     watermark: &mut Option<i64>,
 ) -> Result<u64, StoreError> {
-    let mut total = 0;
-    loop {
-        let moved = sql.sweep_batch(archive).await?;
-        total += moved;
-        if moved < SWEEP_BATCH as u64 {
-            break;
+    let (mut total, by_rows) = match sql.backend() {
+        #[cfg(feature = "postgres")]
+        "postgres" => sql.sweep_partitions(archive).await?,
+        _ => (0, vec!["idempotency_records".to_owned()]),
+    };
+    for table in &by_rows {
+        loop {
+            let moved = sql.sweep_batch(archive, table).await?;
+            total += moved;
+            if moved < SWEEP_BATCH as u64 {
+                break;
+            }
+            // Let claims in between batches.
+            tokio::task::yield_now().await;
         }
-        // Let claims in between batches.
-        tokio::task::yield_now().await;
     }
     if !sql.tombstone().is_zero() {
         // Rows that expired before the window are forgotten (swept above).

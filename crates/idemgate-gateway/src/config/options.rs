@@ -32,6 +32,7 @@ impl StoreConfig {
             tombstone: self.tombstone.get(),
             fast_layer_budget: self.fast_layer_budget.get(),
             memory_layer_bytes: self.memory_layer_bytes,
+            sweep_interval: self.sweep_interval.get(),
         }
     }
 }

@@ -43,19 +43,27 @@ impl SqlStore {
                         columns.push(c);
                     }
                 }
-                let query = sqlx::query(self.sql().claim_insert_many.as_str())
-                    .bind(&columns.scope)
-                    .bind(&columns.route)
-                    .bind(&columns.key)
-                    .bind(&columns.fingerprint)
-                    .bind(lease)
-                    .bind(&columns.request_id)
-                    .bind(retention);
+                let query = || {
+                    sqlx::query(self.sql().claim_insert_many.as_str())
+                        .bind(&columns.scope)
+                        .bind(&columns.route)
+                        .bind(&columns.key)
+                        .bind(&columns.fingerprint)
+                        .bind(lease)
+                        .bind(&columns.request_id)
+                        .bind(retention)
+                };
                 let inserted = self
                     .bounded(
                         "claim",
-                        self.on_batch_connection(pool, held, async move |conn| {
-                            let rows = query.fetch_all(conn).await?;
+                        self.on_batch_connection(pool, held, async |conn| {
+                            let rows = match query().fetch_all(&mut *conn).await {
+                                Err(e) if super::partitions::no_partition(&e) => {
+                                    self.extend_on(conn, first.retention).await?;
+                                    query().fetch_all(&mut *conn).await?
+                                }
+                                rows => rows?,
+                            };
                             rows.iter()
                                 .map(|row| {
                                     let won =
@@ -80,20 +88,27 @@ impl SqlStore {
                     .bounded(
                         "claim",
                         self.on_batch_connection(pool, held, async |conn| {
-                            sqlx::query(statement)
-                                .bind(&c.key.scope)
-                                .bind(&c.key.route)
-                                .bind(&c.key.key)
-                                .bind(&c.fingerprint)
-                                .bind(lease)
-                                .bind(&c.request_id)
-                                .bind(retention)
-                                .fetch_optional(conn)
-                                .await?
-                                .map(|row| {
-                                    Ok((row.try_get::<i64, _>(0)?, row.try_get::<i64, _>(1)?))
-                                })
-                                .transpose()
+                            let query = || {
+                                sqlx::query(statement)
+                                    .bind(&c.key.scope)
+                                    .bind(&c.key.route)
+                                    .bind(&c.key.key)
+                                    .bind(&c.fingerprint)
+                                    .bind(lease)
+                                    .bind(&c.request_id)
+                                    .bind(retention)
+                            };
+                            let row = match query().fetch_optional(&mut *conn).await {
+                                Err(e) if super::partitions::no_partition(&e) => {
+                                    self.extend_on(conn, c.retention).await?;
+                                    query().fetch_optional(&mut *conn).await?
+                                }
+                                row => row?,
+                            };
+                            row.map(|row| {
+                                Ok((row.try_get::<i64, _>(0)?, row.try_get::<i64, _>(1)?))
+                            })
+                            .transpose()
                         }),
                     )
                     .await?;
