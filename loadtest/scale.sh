@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Retention at scale (Postgres): claim + complete on an empty record table
 # and on one holding 10 million live records, then retiring 1 million
-# expired records row by row (the default partition, as every record was
-# swept before partitioning) and by partition: seconds and WAL bytes alone,
-# then the claims running beside each. One run, one server, side by side;
+# expired records row by row (as every record was swept before
+# partitioning) and by partition: seconds and WAL bytes alone, then the
+# claims running beside each. One run, one server, side by side;
 # writes loadtest/results/scale.md.
 #   loadtest/scale.sh [SECONDS] [LIVE_ROWS] [EXPIRED_ROWS]
 # The tables are bulk-loaded by INSERT … SELECT on the server (no requests,
@@ -40,6 +40,7 @@ fill() {
 psql -q "$URL" -c "CREATE SCHEMA $EMPTY; CREATE SCHEMA $FULL"
 $BENCH "$URL?options[search_path]=$EMPTY" 0 ""
 $BENCH "$URL?options[search_path]=$FULL" 0 ""
+echo "filling $LIVE live records" >&2
 start=$(date +%s)
 # Live: expiries spread over the next 24 h (a day of traffic at a steady rate).
 fill live "$LIVE" "$NOW_MS + (g % $DAY)"
@@ -47,31 +48,50 @@ FILL_S=$(( $(date +%s) - start ))
 SIZE=$(q "SELECT pg_size_pretty(sum(pg_total_relation_size(c.oid))) FROM pg_class c
           JOIN pg_inherits i ON i.inhrelid = c.oid WHERE i.inhparent = 'idempotency_records'::regclass")
 
-EMPTY_RUN=$($BENCH "$URL?options[search_path]=$EMPTY" "$SECS" 16,64)
-FULL_RUN=$($BENCH "$URL?options[search_path]=$FULL" "$SECS" 16,64)
+echo "filled in ${FILL_S}s ($SIZE); claims on the empty and the full table" >&2
+# Alternated, twice: one machine's noise lands on both.
+EMPTY_RUN=""; FULL_RUN=""
+for round in 1 2; do
+  EMPTY_RUN+="$($BENCH "$URL?options[search_path]=$EMPTY" "$SECS" 16,64)"$'\n'
+  FULL_RUN+="$($BENCH "$URL?options[search_path]=$FULL" "$SECS" 16,64)"$'\n'
+done
+echo "$EMPTY_RUN" >&2; echo "$FULL_RUN" >&2
 
-# Row by row: expired rows in the default partition (expiries 3 days ago,
-# below every range partition).
-expired_default() { fill old "$EXPIRED" "$NOW_MS - 3 * $DAY - (g % 3600000)"; psql -q "$URL" -c "CHECKPOINT"; }
-# Whole: a partition of yesterday's expiries, registered as the sweeper's own.
-expired_partition() {
-  q "DO \$\$ DECLARE lo bigint := ($NOW_MS / $DAY - 2) * $DAY; BEGIN
+# A partition of expiries three days old, registered as the sweeper's own,
+# holding EXPIRED records. With HELD=1 it also holds one record under a
+# live lease, so the sweeper must sweep its other rows one by one (DELETE
+# in batches of 500, the only way before partitioning); without, it goes
+# whole (DETACH + DROP).
+past_partition() {
+  q "DROP TABLE IF EXISTS idempotency_records_past; DELETE FROM idempotency_partitions WHERE name = 'idempotency_records_past'"
+  q "DO \$\$ DECLARE lo bigint := ($NOW_MS / $DAY - 3) * $DAY; BEGIN
        EXECUTE format('CREATE TABLE idempotency_records_past PARTITION OF idempotency_records
                        FOR VALUES FROM (%s) TO (%s) WITH (fillfactor = 70)', lo, lo + $DAY);
-       INSERT INTO idempotency_partitions VALUES ('idempotency_records_past', lo, lo + $DAY);
+       INSERT INTO idempotency_partitions (name, lower_ms, upper_ms)
+       VALUES ('idempotency_records_past', lo, lo + $DAY);
      END \$\$"
-  fill past "$EXPIRED" "($NOW_MS / $DAY - 2) * $DAY + (g % $DAY)"
+  fill "past$1" "$EXPIRED" "($NOW_MS / $DAY - 3) * $DAY + (g % $DAY)"
+  if [ "$1" = 1 ]; then
+    q "INSERT INTO idempotency_records ($COLUMNS)
+       VALUES ('orders', 'held', 'anon', 'fp', 'in_flight', 1, $NOW_MS + 3600000, 'req', NULL,
+               NULL, FALSE, ($NOW_MS / $DAY - 3) * $DAY, ($NOW_MS / $DAY - 3) * $DAY,
+               ($NOW_MS / $DAY - 3) * $DAY + 1)"
+  fi
   psql -q "$URL" -c "CHECKPOINT"
 }
-expired_default
+echo "row by row, alone" >&2
+past_partition 1
 a=$(lsn); ROWS_ALONE=$($BENCH "$URL?options[search_path]=$FULL" 0 "" sweep); b=$(lsn)
 ROWS_WAL=$(wal_mb "$a" "$b")
-expired_default
+echo "row by row, beside claims" >&2
+past_partition 1
 ROWS_BESIDE=$($BENCH "$URL?options[search_path]=$FULL" "$SECS" 16 sweep)
-expired_partition
+echo "whole partition, alone" >&2
+past_partition 0
 a=$(lsn); PART_ALONE=$($BENCH "$URL?options[search_path]=$FULL" 0 "" sweep); b=$(lsn)
 PART_WAL=$(wal_mb "$a" "$b")
-expired_partition
+echo "whole partition, beside claims" >&2
+past_partition 0
 PART_BESIDE=$($BENCH "$URL?options[search_path]=$FULL" "$SECS" 16 sweep)
 
 {
@@ -86,14 +106,14 @@ PART_BESIDE=$($BENCH "$URL?options[search_path]=$FULL" "$SECS" 16 sweep)
   echo "## Claims: empty table vs $LIVE records"
   echo
   echo '```'
-  echo "empty: "; echo "$EMPTY_RUN"
-  echo "full:  "; echo "$FULL_RUN"
+  echo "empty table (two rounds, alternated with the full one):"; printf '%s' "$EMPTY_RUN"
+  echo "$LIVE records:"; printf '%s' "$FULL_RUN"
   echo '```'
   echo
   echo "## Retiring $EXPIRED expired records"
   echo
   echo "| how | alone | WAL | beside claims at c=16 |"
   echo "|---|---|---|---|"
-  echo "| row by row (DELETE, batches of 500) | ${ROWS_ALONE#sweep alone: } | ${ROWS_WAL} MiB | $ROWS_BESIDE |"
+  echo "| row by row (DELETE, batches of 500; one live lease keeps the partition) | ${ROWS_ALONE#sweep alone: } | ${ROWS_WAL} MiB | $ROWS_BESIDE |"
   echo "| whole partition (DETACH + DROP) | ${PART_ALONE#sweep alone: } | ${PART_WAL} MiB | $PART_BESIDE |"
 } | tee "$OUT"

@@ -480,3 +480,50 @@ async fn a_claim_past_the_last_partition_makes_its_own() {
     assert!(upper().await > healed + 55_000);
     assert_eq!(keys_with_two_rows(&pool).await, 0);
 }
+
+/// The retirement check reads a partition without locking it, so nothing
+/// in a partition past its expiries may become held after the check: a
+/// holder whose lease lapsed on a record past its retention can neither
+/// renew the lease nor put an uncertain hold on the record (the record is
+/// forgotten; its key is anyone's). Within the retention both still work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_lease_past_the_retention_is_never_held_again() {
+    let Some(url) = services::postgres("a_lapsed_lease_past_the_retention").await else {
+        return;
+    };
+    let sql_store = sql(&url, Duration::from_millis(300)).await;
+    sql_store.migrate().await.unwrap();
+    let lease = Duration::from_millis(100);
+    let claim = async |name: &str, retention: Duration| match sql_store
+        .claim(&key(name), "fp", "r", lease, retention)
+        .await
+        .unwrap()
+    {
+        Claim::Won { epoch, .. } => epoch,
+        other => panic!("{other:?}"),
+    };
+    let (late, early) = (
+        claim("late", Duration::from_millis(300)).await,
+        claim("early", Duration::from_secs(30)).await,
+    );
+    let held = Duration::from_secs(5);
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    // Lease lapsed, retention over: refused.
+    assert!(!sql_store.renew(&key("late"), late, held).await.unwrap());
+    assert_eq!(
+        sql_store
+            .mark_uncertain(&key("late"), late, held)
+            .await
+            .unwrap(),
+        None
+    );
+    // Lease lapsed, retention running: the holder may still renew.
+    assert!(sql_store.renew(&key("early"), early, held).await.unwrap());
+    assert!(
+        sql_store
+            .mark_uncertain(&key("early"), early, held)
+            .await
+            .unwrap()
+            .is_some()
+    );
+}

@@ -264,12 +264,23 @@ impl SqlStore {
             // The server abandons a query the gateway has given up on,
             // instead of holding its locks.
             .options([("statement_timeout", statement_timeout.as_str())])
-            // sqlx prepares every statement; after five runs Postgres
-            // may switch to a generic plan costed on the table as it was
-            // then — empty at first start, where a sequential scan looks
-            // cheapest — and keep it as the table grows. Our statements
-            // are tiny to plan; always plan them for the real table.
-            .options([("plan_cache_mode", "force_custom_plan")]);
+            // sqlx prepares every statement, and a generic plan is made
+            // once per connection: every by-key statement probes each
+            // partition of the record table, and planning that afresh
+            // on every run cost more CPU than running it (a third of the
+            // claim rate, loadtest/README.md). A generic plan costed on a
+            // table as it was when empty (at first start, or a partition
+            // just made) could pick a sequential scan and keep it as the
+            // table grows; with sequential scans priced out, the key's
+            // index is always the plan. Partition maintenance turns them
+            // back on (it does read whole partitions).
+            .options([("plan_cache_mode", "force_generic_plan")])
+            .options([("enable_seqscan", "off")])
+            // A key's one row across partitions rests on each statement
+            // of the claim function seeing the rows committed before it
+            // (docs in migrations/postgres/0006_partitions.sql), which a
+            // database whose default is REPEATABLE READ would break.
+            .options([("default_transaction_isolation", "read committed")]);
         // The store's own schema, first on the path: its tables (and its
         // migrations table) are found and created there.
         let options = match &settings.schema {
@@ -315,7 +326,7 @@ impl SqlStore {
         self.migrate_until(None).await?;
         #[cfg(feature = "postgres")]
         if let Err(e) = self.extend_partitions().await {
-            // The default partition takes the claims meanwhile; the
+            // A claim that finds no partition makes its own; the
             // sweeper tries again.
             tracing::warn!(error = %e, layer = "sql", "making the record partitions failed; will retry");
         }

@@ -78,7 +78,7 @@ pub(super) struct Statements {
     pub trim_purges: String,
     /// `$1` rows at most, `$2 tombstone ms`: forgotten rows (retention and
     /// tombstone over). On Postgres, `{table}` is the partition swept row
-    /// by row (the default one, or one still held).
+    /// by row (one a live lease still holds).
     pub sweep_delete: String,
     /// Postgres: move `$1` forgotten rows (`$2 tombstone ms`) of the
     /// partition `{table}` to the archive in one statement.
@@ -145,6 +145,13 @@ const SWEEPABLE: &str = "expires_at + {tomb} <= {now} AND NOT (state IN ('in_fli
 /// Purges spare the same records the sweeper does.
 const NOT_HELD: &str = "NOT (state IN ('in_flight', 'uncertain') AND lease_until > {now})";
 
+/// A holder may renew its lease, or put an uncertain hold on its record,
+/// only while the lease is live or the retention still runs: a record past
+/// both is forgotten (anyone may take its key), and the sweeper may be
+/// about to retire it with the rest of its partition, having found nothing
+/// held there; it must not become held behind the sweeper's back.
+const NOT_FORGOTTEN: &str = "(lease_until > {now} OR expires_at > {now})";
+
 impl Statements {
     fn with_clock(now: &str, epoch: &str) -> Statements {
         // For statements that must agree on one instant: the time is `$2`.
@@ -156,6 +163,7 @@ impl Statements {
         let fill = |text: &str| {
             text.replace("{sweepable}", SWEEPABLE)
                 .replace("{not_held}", NOT_HELD)
+                .replace("{not_forgotten}", NOT_FORGOTTEN)
                 .replace("{columns}", COLUMNS)
                 .replace("{now}", now)
                 .replace("{epoch}", epoch)
@@ -284,7 +292,7 @@ impl Statements {
                 "UPDATE idempotency_records SET state = $5, \
                  lease_until = CASE WHEN $6 > 0 THEN {now} + $6 ELSE 0 END, updated_at = {now} \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
-                   AND state = 'in_flight' \
+                   AND state = 'in_flight' AND {not_forgotten} \
                  RETURNING watched",
             ),
             mark_watched: fill(
@@ -294,7 +302,7 @@ impl Statements {
             renew: fill(
                 "UPDATE idempotency_records SET lease_until = {now} + $5 \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
-                   AND state = 'in_flight'",
+                   AND state = 'in_flight' AND {not_forgotten}",
             ),
             purge_one: fill(
                 "DELETE FROM idempotency_records \

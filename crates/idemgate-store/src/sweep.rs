@@ -3,8 +3,8 @@
 //! On Postgres the record table is partitioned by expiry, and the sweeper
 //! first makes the partitions ahead and retires the partitions whose
 //! records are all forgotten (`sql/partitions.rs`): no row-by-row work for
-//! them. What is left — the default partition, and a partition a live
-//! lease still holds — and SQLite's one table are swept row by row.
+//! them. What is left — a partition a live lease still holds — and
+//! SQLite's one table are swept row by row.
 //!
 //! Row sweeping works in bounded batches ([`super::sql::SWEEP_BATCH`] rows per
 //! statement), never one huge transaction, so a backlog of millions of rows

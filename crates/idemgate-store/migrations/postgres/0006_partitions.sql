@@ -37,6 +37,11 @@
 -- the table, under the migration's lock. Gateways of earlier releases must
 -- be stopped first: their claims use `ON CONFLICT` on the old primary key.
 
+-- Checking and indexing an existing table takes as long as the table is
+-- big: not bounded by the pool's per-statement timeout (this migration
+-- runs in one transaction, which SET LOCAL lasts for).
+SET LOCAL statement_timeout = 0;
+
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass('idempotency_records')
@@ -84,9 +89,11 @@ CREATE TRIGGER idempotency_records_uncertain
 -- Which range partitions exist, and their bounds (unix ms, `upper_ms`
 -- exclusive): what the sweeper retires from and extends.
 CREATE TABLE IF NOT EXISTS idempotency_partitions (
-    name     TEXT   PRIMARY KEY,
-    lower_ms BIGINT NOT NULL,
-    upper_ms BIGINT NOT NULL
+    name     TEXT    PRIMARY KEY,
+    lower_ms BIGINT  NOT NULL,
+    upper_ms BIGINT  NOT NULL,
+    -- detached, not yet dropped (or renamed to the archive)
+    detached BOOLEAN NOT NULL DEFAULT FALSE
 );
 
 DO $$
@@ -257,14 +264,18 @@ BEGIN
 END
 $$;
 
--- Retires one partition whose expiries (and tombstones) are all over,
+-- Detaches one partition whose expiries (and tombstones) are all over,
 -- unless a row in it is still held (in flight or uncertain under a live
--- lease: its holder may still write its outcome) → the rows it held, or
--- -1 when held (the caller then sweeps its free rows one by one). The
--- check reads the partition without blocking anyone; only DETACH takes
--- the parent's exclusive lock, for milliseconds. `p_keep`: the partition
--- is kept, renamed `idempotency_archive_…` (`store.archive`).
-CREATE OR REPLACE FUNCTION idempotency_retire(p_name TEXT, p_keep BOOLEAN)
+-- lease: its holder may still write its outcome) → the rows it held; -1
+-- when held (the caller then sweeps its free rows one by one); -2 when
+-- another gateway is retiring one now. Nothing in such a partition can
+-- become held again (renew and set_state refuse a record past its expiry
+-- whose lease has lapsed; a takeover moves the row to a later partition),
+-- so the check needs no lock: it reads the partition without blocking
+-- anyone. DETACH takes the parent's exclusive lock, and this transaction
+-- ends right after it; the table is dropped (or renamed, `store.archive`)
+-- by `idempotency_discard`, in a transaction of its own.
+CREATE OR REPLACE FUNCTION idempotency_retire(p_name TEXT)
 RETURNS BIGINT
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -272,6 +283,9 @@ DECLARE
     total  BIGINT;
     held   BIGINT;
 BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtextextended('idempotency_retire', 0)) THEN
+        RETURN -2;
+    END IF;
     EXECUTE format('SELECT count(*), count(*) FILTER (WHERE state IN (''in_flight'', ''uncertain'') '
                    'AND lease_until > $1) FROM %I', p_name)
         INTO total, held USING now_ms;
@@ -280,14 +294,25 @@ BEGIN
     END IF;
     PERFORM set_config('lock_timeout', '200ms', true);
     EXECUTE format('ALTER TABLE idempotency_records DETACH PARTITION %I', p_name);
-    IF p_keep THEN
-        EXECUTE format('ALTER TABLE %I RENAME TO %I', p_name,
-                       replace(p_name, 'idempotency_records_', 'idempotency_archive_'));
-    ELSE
-        EXECUTE format('DROP TABLE %I', p_name);
-    END IF;
-    DELETE FROM idempotency_partitions WHERE name = p_name;
+    UPDATE idempotency_partitions SET detached = TRUE WHERE name = p_name;
     RETURN total;
+END
+$$;
+
+-- Drops a detached partition, or keeps it renamed `idempotency_archive_…`.
+CREATE OR REPLACE FUNCTION idempotency_discard(p_name TEXT, p_keep BOOLEAN)
+RETURNS VOID
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF to_regclass(p_name) IS NOT NULL THEN
+        IF p_keep THEN
+            EXECUTE format('ALTER TABLE %I RENAME TO %I', p_name,
+                           replace(p_name, 'idempotency_records_', 'idempotency_archive_'));
+        ELSE
+            EXECUTE format('DROP TABLE %I', p_name);
+        END IF;
+    END IF;
+    DELETE FROM idempotency_partitions WHERE name = p_name AND detached;
 END
 $$;
 

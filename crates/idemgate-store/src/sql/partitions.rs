@@ -22,12 +22,18 @@ const MAINTENANCE_BOUND: Duration = Duration::from_secs(600);
 
 /// Spans of expiries made ahead beyond the retention: the next partition
 /// always exists a sweep or two before the first claim lands in it.
-const SPANS_AHEAD: u32 = 3;
+const SPANS_AHEAD: u32 = 1;
 
-/// Whether a write failed because no partition takes its row's expiry.
+/// Whether a write failed because no partition takes its row's expiry:
+/// a check violation (23514) that names no constraint.
 pub(super) fn no_partition(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db)
-        if db.code().as_deref() == Some("23514") && db.message().contains("no partition"))
+        if db.code().as_deref() == Some("23514") && db.constraint().is_none())
+}
+
+/// `lock_not_available`: a DDL lock not granted within `lock_timeout`.
+fn lock_not_granted(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
 }
 
 impl SqlStore {
@@ -87,15 +93,19 @@ impl SqlStore {
             layer = "sql",
             "a claim found no record partition for its expiry (is every sweeper stopped?); making them now"
         );
-        sqlx::query(
+        let made = sqlx::query(
             "SELECT idempotency_extend($1, \
              (extract(epoch from clock_timestamp()) * 1000)::bigint + $2)",
         )
         .bind(span)
         .bind(ahead)
         .execute(conn)
-        .await
-        .map(|_| ())
+        .await;
+        match made {
+            // Another gateway (or claim) is making them: try the claim.
+            Err(e) if lock_not_granted(&e) => Ok(()),
+            made => made.map(|_| ()),
+        }
     }
 
     /// Makes the partitions ahead, then retires every partition whose
@@ -113,11 +123,12 @@ impl SqlStore {
             tracing::warn!(error = %e, layer = "sql", "making the record partitions failed; will retry");
         }
         let tombstone = millis(self.tombstone);
-        let due: Vec<String> = self
+        let due: Vec<(String, bool)> = self
             .maintenance("partitions", pool, async |conn| {
-                sqlx::query_scalar(
-                    "SELECT name FROM idempotency_partitions \
-                     WHERE upper_ms + $1 <= (extract(epoch from clock_timestamp()) * 1000)::bigint \
+                sqlx::query_as(
+                    "SELECT name, detached FROM idempotency_partitions \
+                     WHERE detached \
+                        OR upper_ms + $1 <= (extract(epoch from clock_timestamp()) * 1000)::bigint \
                      ORDER BY upper_ms",
                 )
                 .bind(tombstone)
@@ -126,36 +137,58 @@ impl SqlStore {
             })
             .await?;
         let mut retired = 0;
-        for name in due {
-            let outcome: Result<i64, StoreError> = self
+        for (name, detached) in due {
+            if !detached {
+                let outcome: Result<i64, StoreError> = self
+                    .maintenance("retire", pool, async |conn| {
+                        sqlx::query_scalar("SELECT idempotency_retire($1)")
+                            .bind(&name)
+                            .fetch_one(&mut *conn)
+                            .await
+                    })
+                    .await;
+                match outcome {
+                    Ok(-2) => break, // another gateway is retiring
+                    Ok(-1) => {
+                        tracing::info!(
+                            partition = %name, layer = "sql",
+                            "an expired record partition still holds a live lease; sweeping its free rows one by one"
+                        );
+                        by_rows.push(name);
+                        continue;
+                    }
+                    Ok(rows) => {
+                        retired += rows.unsigned_abs();
+                        tracing::info!(
+                            partition = %name, records = rows, archive, layer = "sql",
+                            "retired an expired record partition"
+                        );
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            partition = %name, error = %e, layer = "sql",
+                            "retiring an expired record partition failed; will retry"
+                        );
+                        continue;
+                    }
+                }
+            }
+            // Detached: no claim reads it any more; dropping it (its files)
+            // holds no lock anyone waits for.
+            if let Err(e) = self
                 .maintenance("retire", pool, async |conn| {
-                    sqlx::query("SELECT idempotency_retire($1, $2)")
+                    sqlx::query("SELECT idempotency_discard($1, $2)")
                         .bind(&name)
                         .bind(archive)
-                        .fetch_one(&mut *conn)
-                        .await?
-                        .try_get(0)
+                        .execute(&mut *conn)
+                        .await
                 })
-                .await;
-            match outcome {
-                Ok(rows) if rows >= 0 => {
-                    retired += rows.unsigned_abs();
-                    tracing::info!(
-                        partition = %name, records = rows, archive, layer = "sql",
-                        "retired an expired record partition"
-                    );
-                }
-                Ok(_) => {
-                    tracing::info!(
-                        partition = %name, layer = "sql",
-                        "an expired record partition still holds a live lease; sweeping its free rows one by one"
-                    );
-                    by_rows.push(name);
-                }
-                Err(e) => tracing::warn!(
+                .await
+            {
+                tracing::warn!(
                     partition = %name, error = %e, layer = "sql",
-                    "retiring an expired record partition failed; will retry"
-                ),
+                    "dropping a detached record partition failed; will retry"
+                );
             }
         }
         Ok((retired, by_rows))
@@ -177,6 +210,10 @@ impl SqlStore {
             )))
             .execute(&mut *tx)
             .await?;
+            // The held-row check reads a whole partition: plan it as such.
+            sqlx::query("SET LOCAL enable_seqscan = on")
+                .execute(&mut *tx)
+                .await?;
             let value = work(&mut tx).await?;
             tx.commit().await?;
             Ok::<T, sqlx::Error>(value)
