@@ -485,7 +485,8 @@ async fn a_claim_past_the_last_partition_makes_its_own() {
 /// in a partition past its expiries may become held after the check: a
 /// holder whose lease lapsed on a record past its retention can neither
 /// renew the lease nor put an uncertain hold on the record (the record is
-/// forgotten; its key is anyone's). Within the retention both still work.
+/// forgotten; its key is anyone's). A release, which holds nothing, still
+/// goes through. Within the retention all of them work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lapsed_lease_past_the_retention_is_never_held_again() {
     let Some(url) = services::postgres("a_lapsed_lease_past_the_retention").await else {
@@ -516,6 +517,15 @@ async fn a_lapsed_lease_past_the_retention_is_never_held_again() {
             .await
             .unwrap(),
         None
+    );
+    // A release puts no hold on the record: it is never refused (the
+    // key is free again at once, nothing having run).
+    assert!(
+        sql_store
+            .release(&key("late"), late)
+            .await
+            .unwrap()
+            .is_some()
     );
     // Lease lapsed, retention running: the holder may still renew.
     assert!(sql_store.renew(&key("early"), early, held).await.unwrap());

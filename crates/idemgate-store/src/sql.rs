@@ -491,9 +491,11 @@ impl SqlStore {
                     // The successor's expiry found no partition (Postgres).
                     #[cfg(feature = "postgres")]
                     Err(e) if partitions::no_partition(&e) => {
-                        self.extend_partitions_for(c.retention)
-                            .await
-                            .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+                        // Tried again whatever came of it: another claim
+                        // may have made them meanwhile.
+                        let _ = self
+                            .extend_partitions_for(c.retention, partitions::CLAIM_LOCK_WAIT)
+                            .await;
                         take().await
                     }
                     taken => taken,
@@ -718,7 +720,7 @@ impl SqlStore {
             with_pool!(self, pool => {
                 sqlx::query(statement)
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
-                    .bind(state.as_str()).bind(millis(hold))
+                    .bind(state.as_str()).bind(millis(hold)).bind(millis(self.tombstone))
                     .fetch_optional(pool).await?
                     .map(|row| row.try_get::<bool, _>(0))
                     .transpose()
@@ -778,7 +780,7 @@ impl SqlStore {
             with_pool!(self, pool => {
                 sqlx::query(statement)
                     .bind(&key.scope).bind(&key.route).bind(&key.key).bind(epoch)
-                    .bind(millis(lease))
+                    .bind(millis(lease)).bind(millis(self.tombstone))
                     .execute(pool).await.map(|r| r.rows_affected() == 1)
             })
         })
@@ -833,33 +835,37 @@ impl SqlStore {
     /// Removes (or archives) one batch of expired records; returns how
     /// many. On Postgres, of one partition: `table` (see
     /// [`Self::sweep_partitions`]); SQLite has the one table.
+    // A build with Postgres alone has nothing after the Postgres branch.
+    #[allow(irrefutable_let_patterns, unreachable_code)]
     pub async fn sweep_batch(&self, archive: bool, table: &str) -> Result<u64, StoreError> {
         let statements = self.sql();
         let tombstone = millis(self.tombstone);
         #[cfg(not(feature = "postgres"))]
         let _ = table;
+        #[cfg(feature = "postgres")]
+        if let Pool::Postgres(pool) = &self.pool {
+            // Planned per run (`maintenance`): the LIMIT is a parameter.
+            let text = if archive {
+                &statements.sweep_archive_pg
+            } else {
+                &statements.sweep_delete
+            }
+            .replace("{table}", table);
+            return self
+                .maintenance("sweep", pool, async |conn| {
+                    sqlx::query(sqlx::AssertSqlSafe(text))
+                        .bind(SWEEP_BATCH)
+                        .bind(tombstone)
+                        .execute(&mut *conn)
+                        .await
+                        .map(|r| r.rows_affected())
+                })
+                .await;
+        }
         self.bounded("sweep", async {
             match (&self.pool, archive) {
                 #[cfg(feature = "postgres")]
-                (Pool::Postgres(pool), false) => {
-                    let text = statements.sweep_delete.replace("{table}", table);
-                    sqlx::query(sqlx::AssertSqlSafe(text))
-                        .bind(SWEEP_BATCH)
-                        .bind(tombstone)
-                        .execute(pool)
-                        .await
-                        .map(|r| r.rows_affected())
-                }
-                #[cfg(feature = "postgres")]
-                (Pool::Postgres(pool), true) => {
-                    let text = statements.sweep_archive_pg.replace("{table}", table);
-                    sqlx::query(sqlx::AssertSqlSafe(text))
-                        .bind(SWEEP_BATCH)
-                        .bind(tombstone)
-                        .execute(pool)
-                        .await
-                        .map(|r| r.rows_affected())
-                }
+                (Pool::Postgres(_), _) => unreachable!("swept above"),
                 #[cfg(feature = "sqlite")]
                 (Pool::Sqlite(pool), false) => sqlx::query(statements.sweep_delete.as_str())
                     .bind(SWEEP_BATCH)

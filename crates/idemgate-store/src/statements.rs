@@ -56,13 +56,13 @@ pub(super) struct Statements {
     /// action ran (reconciliation), fenced by the uncertain epoch.
     pub complete_reconciled: String,
     /// `$1..$3` key, `$4 epoch, $5 state, $6 ms` the record may not be
-    /// taken over for (an uncertain record's hold; 0 for a release) →
-    /// whether a duplicate is waiting.
+    /// taken over for (an uncertain record's hold; 0 for a release), `$7
+    /// tombstone ms` → whether a duplicate is waiting.
     pub set_state: String,
     /// `$1..$3` key: a duplicate waits for this in-flight record (the
     /// statement that settles it then says so).
     pub mark_watched: String,
-    /// `$1..$3` key, `$4 epoch, $5 lease ms`.
+    /// `$1..$3` key, `$4 epoch, $5 lease ms, $6 tombstone ms`.
     pub renew: String,
     /// `$1..$3` key: deletes unless held under a live lease.
     pub purge_one: String,
@@ -146,11 +146,14 @@ const SWEEPABLE: &str = "expires_at + {tomb} <= {now} AND NOT (state IN ('in_fli
 const NOT_HELD: &str = "NOT (state IN ('in_flight', 'uncertain') AND lease_until > {now})";
 
 /// A holder may renew its lease, or put an uncertain hold on its record,
-/// only while the lease is live or the retention still runs: a record past
-/// both is forgotten (anyone may take its key), and the sweeper may be
-/// about to retire it with the rest of its partition, having found nothing
-/// held there; it must not become held behind the sweeper's back.
-const NOT_FORGOTTEN: &str = "(lease_until > {now} OR expires_at > {now})";
+/// only while the lease is live or the record is not yet forgotten
+/// (retention and tombstone over): the sweeper may be about to retire a
+/// forgotten record with the rest of its partition, having found nothing
+/// held there, and it must not become held behind the sweeper's back. The
+/// start-up checks already keep every attempt (and so every renewal and
+/// mark) within the retention of its claim; this is the second line.
+/// A release puts no hold on a record and is never refused by it.
+const NOT_FORGOTTEN: &str = "(lease_until > {now} OR expires_at + {tomb} > {now})";
 
 impl Statements {
     fn with_clock(now: &str, epoch: &str) -> Statements {
@@ -173,6 +176,7 @@ impl Statements {
             fill(
                 &text
                     .replace("{sweepable}", SWEEPABLE)
+                    .replace("{not_forgotten}", NOT_FORGOTTEN)
                     .replace("{tomb}", tomb),
             )
         };
@@ -288,21 +292,23 @@ impl Statements {
                    AND r.epoch = v.epoch AND r.state = 'in_flight' \
                  RETURNING r.scope, r.route, r.idem_key, r.expires_at - {now}, r.watched",
             ),
-            set_state: fill(
+            set_state: fill_tomb(
                 "UPDATE idempotency_records SET state = $5, \
                  lease_until = CASE WHEN $6 > 0 THEN {now} + $6 ELSE 0 END, updated_at = {now} \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
-                   AND state = 'in_flight' AND {not_forgotten} \
+                   AND state = 'in_flight' AND ($6 = 0 OR {not_forgotten}) \
                  RETURNING watched",
+                "$7",
             ),
             mark_watched: fill(
                 "UPDATE idempotency_records SET watched = TRUE \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND state = 'in_flight'",
             ),
-            renew: fill(
+            renew: fill_tomb(
                 "UPDATE idempotency_records SET lease_until = {now} + $5 \
                  WHERE scope = $1 AND route = $2 AND idem_key = $3 AND epoch = $4 \
                    AND state = 'in_flight' AND {not_forgotten}",
+                "$6",
             ),
             purge_one: fill(
                 "DELETE FROM idempotency_records \

@@ -39,8 +39,11 @@
 
 -- Checking and indexing an existing table takes as long as the table is
 -- big: not bounded by the pool's per-statement timeout (this migration
--- runs in one transaction, which SET LOCAL lasts for).
+-- runs in one transaction, which SET LOCAL lasts for). Its locks are: a
+-- gateway of the earlier release still running makes it fail after ten
+-- seconds (and the gateway not start) rather than queue every claim.
 SET LOCAL statement_timeout = 0;
+SET LOCAL lock_timeout = '10s';
 
 DO $$
 BEGIN
@@ -231,10 +234,11 @@ $$;
 
 -- Makes the range partitions that cover expiries up to `p_until`, each
 -- `p_span` ms wide on a grid from the epoch, after the newest existing
--- one (or from now) → how many were made. One gateway at a time; a lock
--- not granted within `lock_timeout` fails this call (the caller tries
--- again at its next sweep) rather than hold anyone up.
-CREATE OR REPLACE FUNCTION idempotency_extend(p_span BIGINT, p_until BIGINT)
+-- one (or from now) → how many were made. One gateway at a time. The
+-- sweeper waits `p_lock_wait` ('200ms') for the locks and tries again at
+-- its next sweep rather than hold anyone up; a claim that found no
+-- partition waits ('0': its statement timeout) for whoever is making them.
+CREATE OR REPLACE FUNCTION idempotency_extend(p_span BIGINT, p_until BIGINT, p_lock_wait TEXT)
 RETURNS INTEGER
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -244,7 +248,7 @@ DECLARE
     made   INTEGER := 0;
     part   TEXT;
 BEGIN
-    PERFORM set_config('lock_timeout', '200ms', true);
+    PERFORM set_config('lock_timeout', p_lock_wait, true);
     PERFORM pg_advisory_xact_lock(hashtextextended('idempotency_partitions', 0));
     SELECT max(upper_ms) INTO lo FROM idempotency_partitions;
     lo := greatest(coalesce(lo, 0), now_ms - now_ms % p_span);
@@ -269,10 +273,11 @@ $$;
 -- lease: its holder may still write its outcome) → the rows it held; -1
 -- when held (the caller then sweeps its free rows one by one); -2 when
 -- another gateway is retiring one now. Nothing in such a partition can
--- become held again (renew and set_state refuse a record past its expiry
--- whose lease has lapsed; a takeover moves the row to a later partition),
--- so the check needs no lock: it reads the partition without blocking
--- anyone. DETACH takes the parent's exclusive lock, and this transaction
+-- become held again, so the check needs no lock and reads the partition
+-- without blocking anyone: the start-up checks keep every attempt, and so
+-- every renewal and uncertain mark, within the retention of its claim;
+-- renew and uncertain marks refuse a forgotten record whose lease lapsed
+-- besides; a takeover moves the row to a later partition. DETACH takes the parent's exclusive lock, and this transaction
 -- ends right after it; the table is dropped (or renamed, `store.archive`)
 -- by `idempotency_discard`, in a transaction of its own.
 CREATE OR REPLACE FUNCTION idempotency_retire(p_name TEXT)
@@ -285,6 +290,11 @@ DECLARE
 BEGIN
     IF NOT pg_try_advisory_xact_lock(hashtextextended('idempotency_retire', 0)) THEN
         RETURN -2;
+    END IF;
+    -- Another gateway may have retired it since this one listed it.
+    IF NOT EXISTS (SELECT 1 FROM idempotency_partitions WHERE name = p_name AND NOT detached)
+       OR to_regclass(p_name) IS NULL THEN
+        RETURN 0;
     END IF;
     EXECUTE format('SELECT count(*), count(*) FILTER (WHERE state IN (''in_flight'', ''uncertain'') '
                    'AND lease_until > $1) FROM %I', p_name)

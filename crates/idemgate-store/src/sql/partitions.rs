@@ -20,9 +20,10 @@ use super::{Pool, SqlStore};
 /// How long one maintenance statement may run.
 const MAINTENANCE_BOUND: Duration = Duration::from_secs(600);
 
-/// Spans of expiries made ahead beyond the retention: the next partition
-/// always exists a sweep or two before the first claim lands in it.
-const SPANS_AHEAD: u32 = 1;
+/// Spans of expiries made ahead beyond the retention: a span is at least
+/// a sweep interval, so the next partition exists at least a sweep or two
+/// before the first claim lands in it.
+const SPANS_AHEAD: u32 = 2;
 
 /// Whether a write failed because no partition takes its row's expiry:
 /// a check violation (23514) that names no constraint.
@@ -31,17 +32,21 @@ pub(super) fn no_partition(e: &sqlx::Error) -> bool {
         if db.code().as_deref() == Some("23514") && db.constraint().is_none())
 }
 
-/// `lock_not_available`: a DDL lock not granted within `lock_timeout`.
-fn lock_not_granted(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
-}
+/// How long the sweeper waits for the locks that making partitions takes
+/// (claims queue behind a waiting DDL): it tries again at its next sweep.
+const SWEEPER_LOCK_WAIT: &str = "200ms";
+
+/// A claim that found no partition waits for whoever is making them, as
+/// long as its statement may run (`0`: no lock timeout of its own).
+pub(super) const CLAIM_LOCK_WAIT: &str = "0";
 
 impl SqlStore {
     /// Makes the partitions that cover expiries up to the retention plus
     /// [`SPANS_AHEAD`] spans from now; returns how many were made. Nothing
     /// to do on SQLite.
     pub async fn extend_partitions(&self) -> Result<u32, StoreError> {
-        self.extend_partitions_for(self.retention).await
+        self.extend_partitions_for(self.retention, SWEEPER_LOCK_WAIT)
+            .await
     }
 
     /// [`Self::extend_partitions`] for records kept `retention` (a claim
@@ -50,6 +55,7 @@ impl SqlStore {
     pub(super) async fn extend_partitions_for(
         &self,
         retention: Duration,
+        lock_wait: &'static str,
     ) -> Result<u32, StoreError> {
         let Pool::Postgres(pool) = &self.pool else {
             return Ok(0);
@@ -60,10 +66,11 @@ impl SqlStore {
             .maintenance("partitions", pool, async |conn| {
                 sqlx::query(
                     "SELECT idempotency_extend($1, \
-                     (extract(epoch from clock_timestamp()) * 1000)::bigint + $2)",
+                     (extract(epoch from clock_timestamp()) * 1000)::bigint + $2, $3)",
                 )
                 .bind(span)
                 .bind(ahead)
+                .bind(lock_wait)
                 .fetch_one(&mut *conn)
                 .await?
                 .try_get(0)
@@ -93,19 +100,18 @@ impl SqlStore {
             layer = "sql",
             "a claim found no record partition for its expiry (is every sweeper stopped?); making them now"
         );
-        let made = sqlx::query(
+        // Waits (within the claim's statement timeout) for whoever is
+        // making them at the same moment, instead of failing the claim.
+        sqlx::query(
             "SELECT idempotency_extend($1, \
-             (extract(epoch from clock_timestamp()) * 1000)::bigint + $2)",
+             (extract(epoch from clock_timestamp()) * 1000)::bigint + $2, $3)",
         )
         .bind(span)
         .bind(ahead)
+        .bind(CLAIM_LOCK_WAIT)
         .execute(conn)
-        .await;
-        match made {
-            // Another gateway (or claim) is making them: try the claim.
-            Err(e) if lock_not_granted(&e) => Ok(()),
-            made => made.map(|_| ()),
-        }
+        .await
+        .map(|_| ())
     }
 
     /// Makes the partitions ahead, then retires every partition whose
@@ -196,7 +202,7 @@ impl SqlStore {
 
     /// One maintenance transaction, its statements bounded by
     /// [`MAINTENANCE_BOUND`] instead of the pool's statement timeout.
-    async fn maintenance<T>(
+    pub(super) async fn maintenance<T>(
         &self,
         op: &'static str,
         pool: &sqlx::PgPool,
@@ -210,8 +216,13 @@ impl SqlStore {
             )))
             .execute(&mut *tx)
             .await?;
-            // The held-row check reads a whole partition: plan it as such.
+            // The held-row check reads a whole partition, and a row sweep's
+            // LIMIT must be planned as the 500 it is (a generic plan
+            // assumes a tenth of the table): planned per run, as such.
             sqlx::query("SET LOCAL enable_seqscan = on")
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan")
                 .execute(&mut *tx)
                 .await?;
             let value = work(&mut tx).await?;
