@@ -204,7 +204,12 @@ impl Builder {
     /// Call it inside a tokio runtime.
     pub async fn build(self) -> Result<Idempotency, StoreError> {
         let metrics = Arc::new(Metrics::default());
-        let (store, memory) = idemgate_store::open(&self.store, metrics.clone()).await?;
+        // Postgres sizes its record partitions by the sweep interval too.
+        let options = idemgate_store::StoreOptions {
+            sweep_interval: self.sweep_interval,
+            ..self.store.clone()
+        };
+        let (store, memory) = idemgate_store::open(&options, metrics.clone()).await?;
         let sweeper = idemgate_store::sweep::spawn(
             store.sql().clone(),
             memory,
