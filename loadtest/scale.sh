@@ -79,20 +79,19 @@ past_partition() {
   fi
   psql -q "$URL" -c "CHECKPOINT"
 }
-echo "row by row, alone" >&2
-past_partition 1
-a=$(lsn); ROWS_ALONE=$($BENCH "$URL?options[search_path]=$FULL" 0 "" sweep); b=$(lsn)
-ROWS_WAL=$(wal_mb "$a" "$b")
-echo "row by row, beside claims" >&2
-past_partition 1
-ROWS_BESIDE=$($BENCH "$URL?options[search_path]=$FULL" "$SECS" 16 sweep)
-echo "whole partition, alone" >&2
-past_partition 0
-a=$(lsn); PART_ALONE=$($BENCH "$URL?options[search_path]=$FULL" 0 "" sweep); b=$(lsn)
-PART_WAL=$(wal_mb "$a" "$b")
-echo "whole partition, beside claims" >&2
-past_partition 0
-PART_BESIDE=$($BENCH "$URL?options[search_path]=$FULL" "$SECS" 16 sweep)
+# $1 held (1: row by row, 0: whole) → alone, WAL MiB, beside claims (tab-separated)
+retire() {
+  local a b alone beside
+  past_partition "$1" >&2
+  a=$(lsn); alone=$($BENCH "$URL?options[search_path]=$FULL" 0 "" sweep); b=$(lsn)
+  past_partition "$1" >&2
+  beside=$($BENCH "$URL?options[search_path]=$FULL" "$SECS" 16 sweep)
+  printf '%s\t%s\t%s\n' "$alone" "$(wal_mb "$a" "$b")" "$beside"
+}
+echo "row by row" >&2
+IFS=$'\t' read -r ROWS_ALONE ROWS_WAL ROWS_BESIDE <<< "$(retire 1)"
+echo "whole partition" >&2
+IFS=$'\t' read -r PART_ALONE PART_WAL PART_BESIDE <<< "$(retire 0)"
 
 {
   echo "# Retention at scale — $(date -u +%Y-%m-%d) ($(git rev-parse --short HEAD))"

@@ -969,11 +969,23 @@ async fn a_dead_letter_moved_back_to_the_queue_is_tried_again() {
         "{headers:?}"
     );
     assert!(headers.inner().contains_key("x-idemgate-reason"));
-    queue.republish(&copy).await;
-    let tried = eventually(WAIT, || async { executions(&stack, "moved") == 1 }).await;
-    assert!(tried, "{:?}", stack.upstream.state.stats());
-    assert_eq!(metric(&stack, "pay", "duplicate").await, 0);
+    tried_as_replay(&queue, &stack, &copy, "moved").await;
     stack.shutdown().await;
+}
+
+/// Moves a dead-letter `copy` back to the source queue: it runs at the
+/// upstream (once), a replay, never acknowledged as a duplicate of its
+/// original.
+async fn tried_as_replay(
+    queue: &Queue,
+    stack: &Stack,
+    copy: &lapin::message::BasicGetMessage,
+    action: &str,
+) {
+    queue.republish(copy).await;
+    let tried = eventually(WAIT, || async { executions(stack, action) == 1 }).await;
+    assert!(tried, "{:?}", stack.upstream.state.stats());
+    assert_eq!(metric(stack, "pay", "duplicate").await, 0);
 }
 
 /// A dead-letter copy moved back and then delivered again (its first
@@ -993,10 +1005,7 @@ async fn a_moved_back_dead_letter_delivered_again_is_still_tried() {
         lapin::types::AMQPValue::LongLongInt(1),
     );
     copy.delivery.properties = copy.delivery.properties.clone().with_headers(headers);
-    queue.republish(&copy).await;
-    let tried = eventually(WAIT, || async { executions(&stack, "again") == 1 }).await;
-    assert!(tried, "{:?}", stack.upstream.state.stats());
-    assert_eq!(metric(&stack, "pay", "duplicate").await, 0);
+    tried_as_replay(&queue, &stack, &copy, "again").await;
     stack.shutdown().await;
 }
 

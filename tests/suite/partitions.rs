@@ -537,3 +537,20 @@ async fn a_lapsed_lease_past_the_retention_is_never_held_again() {
             .is_some()
     );
 }
+
+/// Every by-key statement looks in each live partition: a long retention
+/// gets wider partitions, not more of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_retention_gets_wide_partitions_not_many() {
+    let Some(url) = services::postgres("a_long_retention_gets_wide_partitions").await else {
+        return;
+    };
+    let sql_store = sql(&url, Duration::from_secs(90 * 24 * 3600)).await;
+    sql_store.migrate().await.unwrap();
+    let made: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_partitions")
+        .fetch_one(&catalog(&url).await)
+        .await
+        .unwrap();
+    let most = i64::from(idemgate_store::sql::MAX_LIVE_PARTITIONS) + 3;
+    assert!(made <= most, "{made} partitions for a 90-day retention");
+}

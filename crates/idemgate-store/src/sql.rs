@@ -5,12 +5,15 @@
 //! type names differ). Every statement is a single atomic statement, so no
 //! read is ever followed by a dependent write in another statement:
 //!
-//! - claim: `INSERT … ON CONFLICT DO NOTHING RETURNING epoch` wins a fresh
-//!   key in one round trip. Otherwise one conditional `UPDATE … RETURNING`
-//!   takes over a record that may be taken (released, uncertain, lease
-//!   expired, retention expired) and bumps its epoch. Only when both found
-//!   nothing to take is the row read — to answer the client, never to decide
-//!   a write.
+//! - claim: an insert wins a fresh key in one round trip (SQLite: `INSERT …
+//!   ON CONFLICT DO NOTHING RETURNING epoch`; Postgres, whose record table
+//!   is partitioned: the function `idempotency_claim`, see
+//!   `sql/partitions.rs`). Otherwise one conditional statement takes over a
+//!   record that may be taken (released, uncertain, lease expired,
+//!   retention expired) and bumps its epoch (SQLite: `UPDATE … RETURNING`;
+//!   Postgres: `idempotency_take_over`, which moves the row). Only when
+//!   both found nothing to take is the row read — to answer the client,
+//!   never to decide a write.
 //! - complete, release, mark uncertain, renew: `UPDATE … WHERE epoch = mine
 //!   AND state = 'in_flight'`. A holder whose lease was taken over finds zero
 //!   rows: its late write is refused (fencing).
@@ -148,6 +151,12 @@ pub struct SqlSettings {
 pub const MIN_PARTITION_SPAN: Duration = Duration::from_secs(1);
 pub const MAX_PARTITION_SPAN: Duration = Duration::from_secs(24 * 3600);
 
+/// Partitions that hold live records and tombstones, at most: every by-key
+/// statement probes each one (the key does not name its partition), so a
+/// retention (plus tombstone) longer than this many days gets wider spans
+/// instead of more partitions.
+pub const MAX_LIVE_PARTITIONS: u32 = 16;
+
 /// The span of one Postgres partition: the retention, or the sweep
 /// interval where that is longer (so a sweep never has more than a few
 /// partitions to make or retire), within a second and a day. Records live
@@ -210,7 +219,8 @@ impl SqlStore {
             retention: settings.retention,
             partition_span: settings
                 .partition_span
-                .clamp(MIN_PARTITION_SPAN, MAX_PARTITION_SPAN),
+                .clamp(MIN_PARTITION_SPAN, MAX_PARTITION_SPAN)
+                .max((settings.retention + settings.tombstone) / MAX_LIVE_PARTITIONS),
         })
     }
 
@@ -491,11 +501,12 @@ impl SqlStore {
                     // The successor's expiry found no partition (Postgres).
                     #[cfg(feature = "postgres")]
                     Err(e) if partitions::no_partition(&e) => {
-                        // Tried again whatever came of it: another claim
-                        // may have made them meanwhile.
-                        let _ = self
-                            .extend_partitions_for(c.retention, partitions::CLAIM_LOCK_WAIT)
-                            .await;
+                        // Made under this claim's own statement timeout.
+                        #[allow(irrefutable_let_patterns)] // without SQLite
+                        if let Pool::Postgres(pool) = &self.pool {
+                            self.extend_on(&mut *pool.acquire().await?, c.retention)
+                                .await?;
+                        }
                         take().await
                     }
                     taken => taken,
@@ -835,46 +846,33 @@ impl SqlStore {
     /// Removes (or archives) one batch of expired records; returns how
     /// many. On Postgres, of one partition: `table` (see
     /// [`Self::sweep_partitions`]); SQLite has the one table.
-    // A build with Postgres alone has nothing after the Postgres branch.
-    #[allow(irrefutable_let_patterns, unreachable_code)]
     pub async fn sweep_batch(&self, archive: bool, table: &str) -> Result<u64, StoreError> {
         let statements = self.sql();
         let tombstone = millis(self.tombstone);
         #[cfg(not(feature = "postgres"))]
         let _ = table;
-        #[cfg(feature = "postgres")]
-        if let Pool::Postgres(pool) = &self.pool {
-            // Planned per run (`maintenance`): the LIMIT is a parameter.
-            let text = if archive {
-                &statements.sweep_archive_pg
-            } else {
-                &statements.sweep_delete
-            }
-            .replace("{table}", table);
-            return self
-                .maintenance("sweep", pool, async |conn| {
-                    sqlx::query(sqlx::AssertSqlSafe(text))
-                        .bind(SWEEP_BATCH)
+        self.bounded("sweep", async {
+            match &self.pool {
+                #[cfg(feature = "postgres")]
+                Pool::Postgres(pool) => {
+                    let text = match archive {
+                        true => &statements.sweep_archive_pg,
+                        false => &statements.sweep_delete,
+                    };
+                    sqlx::query(sqlx::AssertSqlSafe(text.replace("{table}", table)))
                         .bind(tombstone)
-                        .execute(&mut *conn)
+                        .execute(pool)
                         .await
                         .map(|r| r.rows_affected())
-                })
-                .await;
-        }
-        self.bounded("sweep", async {
-            match (&self.pool, archive) {
-                #[cfg(feature = "postgres")]
-                (Pool::Postgres(_), _) => unreachable!("swept above"),
+                }
                 #[cfg(feature = "sqlite")]
-                (Pool::Sqlite(pool), false) => sqlx::query(statements.sweep_delete.as_str())
-                    .bind(SWEEP_BATCH)
+                Pool::Sqlite(pool) if !archive => sqlx::query(statements.sweep_delete.as_str())
                     .bind(tombstone)
                     .execute(pool)
                     .await
                     .map(|r| r.rows_affected()),
                 #[cfg(feature = "sqlite")]
-                (Pool::Sqlite(pool), true) => {
+                Pool::Sqlite(pool) => {
                     // Copy then delete the same batch inside one write
                     // transaction: the subqueries see the same rows because
                     // no other writer can run until COMMIT.
@@ -885,14 +883,12 @@ impl SqlStore {
                         .await?
                         .try_get(0)?;
                     let copied = sqlx::query(statements.sweep_archive_copy_sqlite.as_str())
-                        .bind(SWEEP_BATCH)
                         .bind(now)
                         .bind(tombstone)
                         .execute(&mut *tx)
                         .await?
                         .rows_affected();
                     sqlx::query(statements.sweep_delete_at.as_str())
-                        .bind(SWEEP_BATCH)
                         .bind(now)
                         .bind(tombstone)
                         .execute(&mut *tx)
@@ -908,30 +904,8 @@ impl SqlStore {
     /// With tombstones on: drops the stored answers of records whose
     /// retention ended at or after `after` (ms), one batch; returns how
     /// many and the watermark to pass next time (see [`super::sweep`]).
-    // A build with Postgres alone has nothing after the Postgres branch.
-    #[allow(irrefutable_let_patterns, unreachable_code)]
     pub async fn strip_batch(&self, after: i64) -> Result<(u64, i64), StoreError> {
         let statements = self.sql();
-        // Planned per run on Postgres (`maintenance`): the LIMIT is a
-        // parameter, which a generic plan would take for a tenth of the table.
-        #[cfg(feature = "postgres")]
-        if let Pool::Postgres(pool) = &self.pool {
-            return self
-                .maintenance("sweep", pool, async |conn| {
-                    let now: i64 = sqlx::query(statements.now.as_str())
-                        .fetch_one(&mut *conn)
-                        .await?
-                        .try_get(0)?;
-                    let rows = sqlx::query(statements.strip_expired.as_str())
-                        .bind(SWEEP_BATCH)
-                        .bind(after)
-                        .bind(now)
-                        .fetch_all(&mut *conn)
-                        .await?;
-                    strip_watermark(&rows, now)
-                })
-                .await;
-        }
         self.bounded("sweep", async {
             with_pool!(self, pool => {
                 let now: i64 = sqlx::query(statements.now.as_str())
@@ -939,12 +913,24 @@ impl SqlStore {
                     .await?
                     .try_get(0)?;
                 let rows = sqlx::query(statements.strip_expired.as_str())
-                    .bind(SWEEP_BATCH)
                     .bind(after)
                     .bind(now)
                     .fetch_all(pool)
                     .await?;
-                strip_watermark(&rows, now)
+                let stripped = rows.len() as u64;
+                // A short batch took every strippable row up to `now`; a
+                // full one goes on from the newest it took.
+                let next = if stripped < SWEEP_BATCH as u64 {
+                    now
+                } else {
+                    rows.iter()
+                        .map(|r| r.try_get::<i64, _>(0))
+                        .collect::<Result<Vec<_>, _>>()?
+                        .into_iter()
+                        .max()
+                        .unwrap_or(now)
+                };
+                Ok((stripped, next))
             })
         })
         .await
@@ -1033,28 +1019,6 @@ impl SqlStore {
         })
         .await
     }
-}
-
-/// How many rows a strip batch took, and the watermark to pass next: a
-/// short batch took every strippable row up to `now`; a full one goes on
-/// from the newest it took.
-fn strip_watermark<R: Row>(rows: &[R], now: i64) -> Result<(u64, i64), sqlx::Error>
-where
-    usize: sqlx::ColumnIndex<R>,
-    i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let stripped = rows.len() as u64;
-    let next = if stripped < SWEEP_BATCH as u64 {
-        now
-    } else {
-        rows.iter()
-            .map(|r| r.try_get::<i64, _>(0))
-            .collect::<Result<Vec<_>, _>>()?
-            .into_iter()
-            .max()
-            .unwrap_or(now)
-    };
-    Ok((stripped, next))
 }
 
 /// One logged purge.

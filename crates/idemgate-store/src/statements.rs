@@ -16,6 +16,8 @@
 
 use std::sync::LazyLock;
 
+use super::sql::SWEEP_BATCH;
+
 /// The statements of one database.
 pub(super) struct Statements {
     /// `$1 scope, $2 route, $3 key, $4 fingerprint, $5 lease ms, $6 request
@@ -76,21 +78,23 @@ pub(super) struct Statements {
     pub last_purge: String,
     /// Forgets purges older than `$1` ms.
     pub trim_purges: String,
-    /// `$1` rows at most, `$2 tombstone ms`: forgotten rows (retention and
-    /// tombstone over). On Postgres, `{table}` is the partition swept row
-    /// by row (one a live lease still holds).
+    /// `$1 tombstone ms`: forgotten rows (retention and tombstone over),
+    /// [`SWEEP_BATCH`] at most. The batch is written into the text, not
+    /// bound: a generic plan (Postgres's, `sql.rs`) takes a bound LIMIT for
+    /// a tenth of the table. On Postgres, `{table}` is the partition swept
+    /// row by row (one a live lease still holds).
     pub sweep_delete: String,
-    /// Postgres: move `$1` forgotten rows (`$2 tombstone ms`) of the
-    /// partition `{table}` to the archive in one statement.
+    /// Postgres: move forgotten rows (`$1 tombstone ms`) of the partition
+    /// `{table}` to the archive in one statement.
     pub sweep_archive_pg: String,
-    /// SQLite: copy `$1` rows forgotten at time `$2` (`$3 tombstone ms`;
-    /// then `sweep_delete_at` with the same `$2`, in one transaction: both
+    /// SQLite: copy the rows forgotten at time `$1` (`$2 tombstone ms`;
+    /// then `sweep_delete_at` with the same `$1`, in one transaction: both
     /// must see the same rows, so the time is read once and bound).
     pub sweep_archive_copy_sqlite: String,
-    /// `sweep_delete` with the time bound as `$2`, `$3 tombstone ms`.
+    /// `sweep_delete` with the time bound as `$1`, `$2 tombstone ms`.
     pub sweep_delete_at: String,
-    /// Tombstones: drops the stored answer of at most `$1` rows whose
-    /// retention ended at or after `$2` and by `$3` (the database's now,
+    /// Tombstones: drops the stored answer of a batch of rows whose
+    /// retention ended at or after `$1` and by `$2` (the database's now,
     /// read before) → their expiries. Only the fingerprint is kept (rows
     /// already stripped no longer match, so a watermark may repeat).
     pub strip_expired: String,
@@ -160,8 +164,9 @@ impl Statements {
         // For statements that must agree on one instant: the time is `$2`.
         let fill_at = |text: &str| {
             text.replace("{sweepable}", SWEEPABLE)
-                .replace("{tomb}", "$3")
-                .replace("{now}", "$2")
+                .replace("{tomb}", "$2")
+                .replace("{now}", "$1")
+                .replace("{batch}", &SWEEP_BATCH.to_string())
         };
         let fill = |text: &str| {
             text.replace("{sweepable}", SWEEPABLE)
@@ -170,6 +175,7 @@ impl Statements {
                 .replace("{columns}", COLUMNS)
                 .replace("{now}", now)
                 .replace("{epoch}", epoch)
+                .replace("{batch}", &SWEEP_BATCH.to_string())
         };
         // The tombstone is a parameter; which one each statement says.
         let fill_tomb = |text: &str, tomb: &str| {
@@ -330,15 +336,15 @@ impl Statements {
             sweep_delete: fill_tomb(
                 "DELETE FROM {table} WHERE (route, idem_key, scope) IN ( \
                    SELECT route, idem_key, scope FROM {table} \
-                   WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
+                   WHERE {sweepable} ORDER BY expires_at LIMIT {batch}) \
                  AND {sweepable}",
-                "$2",
+                "$1",
             ),
             sweep_archive_pg: fill_tomb(
                 "WITH moved AS ( \
                    DELETE FROM {table} WHERE (route, idem_key, scope) IN ( \
                      SELECT route, idem_key, scope FROM {table} \
-                     WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
+                     WHERE {sweepable} ORDER BY expires_at LIMIT {batch}) \
                    AND {sweepable} \
                    RETURNING scope, route, idem_key, fingerprint, state, epoch, request_id, \
                              status, headers, body, body_kept, created_at, updated_at, \
@@ -349,12 +355,12 @@ impl Statements {
                  SELECT scope, route, idem_key, fingerprint, state, epoch, request_id, status, \
                         headers, body, body_kept, created_at, updated_at, expires_at, {now} \
                  FROM moved",
-                "$2",
+                "$1",
             ),
             sweep_delete_at: fill_at(
                 "DELETE FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
                    SELECT route, idem_key, scope FROM idempotency_records \
-                   WHERE {sweepable} ORDER BY expires_at LIMIT $1) \
+                   WHERE {sweepable} ORDER BY expires_at LIMIT {batch}) \
                  AND {sweepable}",
             ),
             now: fill("SELECT {now}"),
@@ -362,9 +368,9 @@ impl Statements {
                 "UPDATE idempotency_records SET headers = NULL, body = NULL \
                  WHERE (route, idem_key, scope) IN ( \
                    SELECT route, idem_key, scope FROM idempotency_records \
-                   WHERE expires_at >= $2 AND expires_at <= $3 AND body IS NOT NULL \
-                     AND NOT (state IN ('in_flight', 'uncertain') AND lease_until > $3) \
-                   ORDER BY expires_at LIMIT $1) \
+                   WHERE expires_at >= $1 AND expires_at <= $2 AND body IS NOT NULL \
+                     AND NOT (state IN ('in_flight', 'uncertain') AND lease_until > $2) \
+                   ORDER BY expires_at LIMIT {batch}) \
                  RETURNING expires_at",
             ),
             sweep_archive_copy_sqlite: fill_at(
@@ -375,7 +381,7 @@ impl Statements {
                         headers, body, body_kept, created_at, updated_at, expires_at, {now} \
                  FROM idempotency_records WHERE (route, idem_key, scope) IN ( \
                    SELECT route, idem_key, scope FROM idempotency_records \
-                   WHERE {sweepable} ORDER BY expires_at LIMIT $1)",
+                   WHERE {sweepable} ORDER BY expires_at LIMIT {batch})",
             ),
         }
     }

@@ -15,8 +15,9 @@ use super::super::{RecordKey, StoreError, StoredResponse};
 use super::{Pool, SqlStore, left};
 
 impl SqlStore {
-    /// The fresh-key half of a claim, for many keys at once: one
-    /// `INSERT … ON CONFLICT DO NOTHING` (one commit). The epoch and expiry
+    /// The fresh-key half of a claim, for many keys at once: one statement
+    /// (Postgres: `idempotency_claim` over arrays) or one SQLite
+    /// transaction of `INSERT … ON CONFLICT DO NOTHING` (one commit). The epoch and expiry
     /// where the row was inserted, i.e. the claim was won. A key twice in one batch
     /// is inserted for its first job only; the second then meets the row
     /// like any duplicate.

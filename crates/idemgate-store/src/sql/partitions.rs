@@ -38,30 +38,19 @@ const SWEEPER_LOCK_WAIT: &str = "200ms";
 
 /// A claim that found no partition waits for whoever is making them, as
 /// long as its statement may run (`0`: no lock timeout of its own).
-pub(super) const CLAIM_LOCK_WAIT: &str = "0";
+const CLAIM_LOCK_WAIT: &str = "0";
 
 impl SqlStore {
     /// Makes the partitions that cover expiries up to the retention plus
     /// [`SPANS_AHEAD`] spans from now; returns how many were made. Nothing
     /// to do on SQLite.
-    pub async fn extend_partitions(&self) -> Result<u32, StoreError> {
-        self.extend_partitions_for(self.retention, SWEEPER_LOCK_WAIT)
-            .await
-    }
-
-    /// [`Self::extend_partitions`] for records kept `retention` (a claim
-    /// whose expiry found no partition).
     #[allow(irrefutable_let_patterns)] // a build without SQLite
-    pub(super) async fn extend_partitions_for(
-        &self,
-        retention: Duration,
-        lock_wait: &'static str,
-    ) -> Result<u32, StoreError> {
+    pub async fn extend_partitions(&self) -> Result<u32, StoreError> {
         let Pool::Postgres(pool) = &self.pool else {
             return Ok(0);
         };
         let span = millis(self.partition_span);
-        let ahead = millis(retention.max(self.retention)) + span * i64::from(SPANS_AHEAD);
+        let ahead = millis(self.retention) + span * i64::from(SPANS_AHEAD);
         let made: i32 = self
             .maintenance("partitions", pool, async |conn| {
                 sqlx::query(
@@ -70,7 +59,7 @@ impl SqlStore {
                 )
                 .bind(span)
                 .bind(ahead)
-                .bind(lock_wait)
+                .bind(SWEEPER_LOCK_WAIT)
                 .fetch_one(&mut *conn)
                 .await?
                 .try_get(0)
@@ -202,7 +191,7 @@ impl SqlStore {
 
     /// One maintenance transaction, its statements bounded by
     /// [`MAINTENANCE_BOUND`] instead of the pool's statement timeout.
-    pub(super) async fn maintenance<T>(
+    async fn maintenance<T>(
         &self,
         op: &'static str,
         pool: &sqlx::PgPool,
@@ -216,13 +205,8 @@ impl SqlStore {
             )))
             .execute(&mut *tx)
             .await?;
-            // The held-row check reads a whole partition, and a row sweep's
-            // LIMIT must be planned as the 500 it is (a generic plan
-            // assumes a tenth of the table): planned per run, as such.
+            // The held-row check reads a whole partition: plan it as such.
             sqlx::query("SET LOCAL enable_seqscan = on")
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan")
                 .execute(&mut *tx)
                 .await?;
             let value = work(&mut tx).await?;
