@@ -399,17 +399,7 @@ impl SqlStore {
         op: &'static str,
         work: impl std::future::Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, work).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(StoreError::Unavailable {
-                op,
-                cause: e.to_string(),
-            }),
-            Err(_) => Err(StoreError::Timeout {
-                op,
-                after: self.timeout,
-            }),
-        }
+        bounded_by(op, self.timeout, work).await
     }
 
     /// `SELECT 1`, for `/readyz`.
@@ -1018,6 +1008,22 @@ impl SqlStore {
             }
         })
         .await
+    }
+}
+
+/// Bounds one operation by `limit` and names it in errors.
+async fn bounded_by<T>(
+    op: &'static str,
+    limit: Duration,
+    work: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(limit, work).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(StoreError::Unavailable {
+            op,
+            cause: e.to_string(),
+        }),
+        Err(_) => Err(StoreError::Timeout { op, after: limit }),
     }
 }
 

@@ -32,6 +32,10 @@ pub(super) fn no_partition(e: &sqlx::Error) -> bool {
         if db.code().as_deref() == Some("23514") && db.constraint().is_none())
 }
 
+/// `$1 span ms, $2 ms ahead of now, $3 lock wait` → partitions made.
+const EXTEND: &str = "SELECT idempotency_extend($1, \
+     (extract(epoch from clock_timestamp()) * 1000)::bigint + $2, $3)";
+
 /// How long the sweeper waits for the locks that making partitions takes
 /// (claims queue behind a waiting DDL): it tries again at its next sweep.
 const SWEEPER_LOCK_WAIT: &str = "200ms";
@@ -53,16 +57,13 @@ impl SqlStore {
         let ahead = millis(self.retention) + span * i64::from(SPANS_AHEAD);
         let made: i32 = self
             .maintenance("partitions", pool, async |conn| {
-                sqlx::query(
-                    "SELECT idempotency_extend($1, \
-                     (extract(epoch from clock_timestamp()) * 1000)::bigint + $2, $3)",
-                )
-                .bind(span)
-                .bind(ahead)
-                .bind(SWEEPER_LOCK_WAIT)
-                .fetch_one(&mut *conn)
-                .await?
-                .try_get(0)
+                sqlx::query(EXTEND)
+                    .bind(span)
+                    .bind(ahead)
+                    .bind(SWEEPER_LOCK_WAIT)
+                    .fetch_one(&mut *conn)
+                    .await?
+                    .try_get(0)
             })
             .await?;
         if made > 0 {
@@ -91,16 +92,13 @@ impl SqlStore {
         );
         // Waits (within the claim's statement timeout) for whoever is
         // making them at the same moment, instead of failing the claim.
-        sqlx::query(
-            "SELECT idempotency_extend($1, \
-             (extract(epoch from clock_timestamp()) * 1000)::bigint + $2, $3)",
-        )
-        .bind(span)
-        .bind(ahead)
-        .bind(CLAIM_LOCK_WAIT)
-        .execute(conn)
-        .await
-        .map(|_| ())
+        sqlx::query(EXTEND)
+            .bind(span)
+            .bind(ahead)
+            .bind(CLAIM_LOCK_WAIT)
+            .execute(conn)
+            .await
+            .map(|_| ())
     }
 
     /// Makes the partitions ahead, then retires every partition whose
@@ -213,16 +211,6 @@ impl SqlStore {
             tx.commit().await?;
             Ok::<T, sqlx::Error>(value)
         };
-        match tokio::time::timeout(MAINTENANCE_BOUND, run).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(StoreError::Unavailable {
-                op,
-                cause: e.to_string(),
-            }),
-            Err(_) => Err(StoreError::Timeout {
-                op,
-                after: MAINTENANCE_BOUND,
-            }),
-        }
+        super::bounded_by(op, MAINTENANCE_BOUND, run).await
     }
 }
