@@ -892,6 +892,95 @@ async fn a_lost_ack_after_a_dead_letter_copy_makes_no_second_copy() {
     stack.shutdown().await;
 }
 
+/// Another instance holds a message's copy lease (it is adding the dead
+/// letter, as written in the shared store) when this gateway decides the
+/// same message's end: it adds no copy of its own, and acknowledges the
+/// message once the other's copy is recorded. A lease whose holder died
+/// lapses, and the copy is added under the holder's copy id; a message
+/// nobody is copying is copied at once.
+#[tokio::test]
+async fn a_dead_letter_another_instance_is_adding_is_not_added_twice() {
+    let Some(queue) = Queue::new("amqp_dlq_lease").await else {
+        return;
+    };
+    let Some(db) = postgres("a_dead_letter_another_instance_is_adding").await else {
+        return;
+    };
+    let consumer = queue.consumer(
+        "pay",
+        "/actions/lease",
+        "max_deliveries = 1\nbusiness_key = [\"msg:message_id\"]",
+    );
+    let stack = Stack::start_with(&consumer, |c| c.store.database_url = db.clone()).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db)
+        .await
+        .unwrap();
+    // Each out of attempts (another instance counted the failure); h-1's
+    // copy is being added by another instance, d-1's holder died 2.5 s
+    // from now, nobody copies f-1.
+    for (key, copy, lease_ms) in [
+        ("h-1", Some("theirs-1"), Some(60_000)),
+        ("d-1", Some("theirs-2"), Some(2_500)),
+        ("f-1", None, None),
+    ] {
+        sqlx::query(
+            "INSERT INTO idempotency_deliveries \
+             (route, idem_key, failures, dead_letter, updated_at, copy_id, copying_until) \
+             SELECT 'pay', $1, 1, FALSE, t, $2, t + $3 \
+             FROM (SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS t) AS now",
+        )
+        .bind(key)
+        .bind(copy)
+        .bind(lease_ms.map(i64::from))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    for id in ["h-1", "d-1", "f-1"] {
+        queue.publish_redelivered(id, b"{}").await;
+    }
+    let free = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
+    assert!(free, "the message nobody copies was not copied");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        queue.ready(&queue.dlq()).await,
+        1,
+        "a copy beside another instance's"
+    );
+    // The other instance's copy is stored: acknowledged, no copy here.
+    sqlx::query("UPDATE idempotency_deliveries SET dead_letter = TRUE WHERE idem_key = 'h-1'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let acked = eventually(WAIT, || async {
+        metric(&stack, "pay", "duplicate").await == 1
+    })
+    .await;
+    assert!(acked, "never acknowledged after the other's copy");
+    // The dead holder's lease lapses: copied once, under its id.
+    let lapsed = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 2 }).await;
+    assert!(lapsed, "never copied after the holder's lease lapsed");
+    let mut copies = BTreeMap::new();
+    while let Some(copy) = queue.take(&queue.dlq()).await {
+        let properties = &copy.delivery.properties;
+        let id = properties.message_id().clone().unwrap().to_string();
+        let headers = properties.headers().clone().unwrap();
+        let copy_id = match &headers.inner()["x-idemgate-copy"] {
+            lapin::types::AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into(),
+            other => format!("{other:?}"),
+        };
+        copies.insert(id, copy_id);
+    }
+    assert_eq!(copies.len(), 2, "{copies:?}");
+    assert_eq!(copies["d-1"], "theirs-2", "{copies:?}");
+    assert!(!copies.contains_key("h-1"), "{copies:?}");
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    assert_eq!(stack.upstream.state.stats().requests, 0);
+    stack.shutdown().await;
+}
+
 /// A message without a usable key is dead-lettered once too: its mark is
 /// kept under its own identity (id and body), so a redelivery after a lost
 /// ack makes no second copy, while another keyless message still gets its

@@ -180,22 +180,14 @@ async fn concurrent_claims_have_one_winner(backend: Backend, test: &str) {
     assert_eq!((won, in_flight), (1, 199), "{backend:?}");
 }
 
-/// Check-and-claim is one atomic statement, not a read then a write: two
-/// stores with pools of their own (as two gateway instances have) race on
-/// one key, and the database alone decides. A single store's batch writer
-/// serialises its own claims, so it could not show this.
-async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str) {
-    let (sql_a, dir) = match sql_store(backend, test, Duration::ZERO, LONG).await {
-        Some(s) => s,
-        None => return,
+/// A second store with a pool of its own on `sql`'s database (another
+/// gateway's, as far as the database can tell).
+async fn another_store_on(sql: &SqlStore, dir: Option<&tempfile::TempDir>) -> SqlStore {
+    let url = match dir {
+        Some(dir) => format!("sqlite://{}/records.db", dir.path().display()),
+        None => sql.url_for_tests().to_owned(),
     };
-    let url = match (&backend, &dir) {
-        (Backend::Sqlite | Backend::MemorySqlite, Some(dir)) => {
-            format!("sqlite://{}/records.db", dir.path().display())
-        }
-        _ => sql_a.url_for_tests().to_owned(),
-    };
-    let sql_b = SqlStore::connect(&SqlSettings {
+    SqlStore::connect(&SqlSettings {
         url,
         pool_size: 8,
         timeout: Duration::from_secs(2),
@@ -205,7 +197,19 @@ async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str)
         partition_span: idemgate_store::sql::partition_span(LONG, Duration::from_secs(1)),
     })
     .await
-    .unwrap();
+    .unwrap()
+}
+
+/// Check-and-claim is one atomic statement, not a read then a write: two
+/// stores with pools of their own (as two gateway instances have) race on
+/// one key, and the database alone decides. A single store's batch writer
+/// serialises its own claims, so it could not show this.
+async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str) {
+    let (sql_a, dir) = match sql_store(backend, test, Duration::ZERO, LONG).await {
+        Some(s) => s,
+        None => return,
+    };
+    let sql_b = another_store_on(&sql_a, dir.as_ref()).await;
     let settings = StoreSettings {
         lease: LONG,
         retention: LONG,
@@ -227,6 +231,108 @@ async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str)
             .count();
         assert_eq!(won, 1, "{backend:?} round {round}");
     }
+}
+
+/// A consumed message's dead-letter copy has one publisher: of a hundred
+/// instances deciding its end at once (two stores, pools of their own),
+/// one takes the copy lease; the rest find it busy, then the copy stored.
+/// A publisher that died leaves the lease to lapse, and its successor
+/// publishes under the same copy id; a refused copy gives the lease back.
+async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
+    use idemgate_store::sql::DeadLetterClaim;
+    let Some((a, dir)) = sql_store(backend, test, Duration::ZERO, LONG).await else {
+        return;
+    };
+    let b = another_store_on(&a, dir.as_ref()).await;
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let claims = (0..100).map(|i| {
+        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tokio::spawn(async move {
+            store
+                .claim_dead_letter("orders", "o-1", &format!("copy-{i}"), LONG)
+                .await
+                .unwrap()
+        })
+    });
+    let claims: Vec<_> = futures_util::future::join_all(claims)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let winners: Vec<_> = claims
+        .iter()
+        .filter_map(|c| match c {
+            DeadLetterClaim::Won(copy) => Some(copy.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(winners.len(), 1, "{backend:?}: {claims:?}");
+    assert!(
+        claims
+            .iter()
+            .all(|c| matches!(c, DeadLetterClaim::Won(_) | DeadLetterClaim::Busy))
+    );
+    // Stored: every later decision acknowledges, on either store.
+    a.mark_dead_lettered("orders", "o-1").await.unwrap();
+    for store in [&a, &b] {
+        assert_eq!(
+            store
+                .claim_dead_letter("orders", "o-1", "late", LONG)
+                .await
+                .unwrap(),
+            DeadLetterClaim::Copied
+        );
+    }
+    // A publisher that died: its lease lapses, and the copy is made again
+    // under its id.
+    let short = Duration::from_millis(200);
+    let first = a
+        .claim_dead_letter("orders", "o-2", "first", short)
+        .await
+        .unwrap();
+    assert_eq!(first, DeadLetterClaim::Won("first".into()));
+    assert_eq!(
+        b.claim_dead_letter("orders", "o-2", "second", short)
+            .await
+            .unwrap(),
+        DeadLetterClaim::Busy
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        b.claim_dead_letter("orders", "o-2", "second", LONG)
+            .await
+            .unwrap(),
+        DeadLetterClaim::Won("first".into())
+    );
+    // Refused by the broker: given back by its holder alone.
+    a.release_dead_letter("orders", "o-2", "other")
+        .await
+        .unwrap();
+    assert_eq!(
+        a.claim_dead_letter("orders", "o-2", "third", LONG)
+            .await
+            .unwrap(),
+        DeadLetterClaim::Busy
+    );
+    b.release_dead_letter("orders", "o-2", "first")
+        .await
+        .unwrap();
+    assert_eq!(
+        a.claim_dead_letter("orders", "o-2", "third", LONG)
+            .await
+            .unwrap(),
+        DeadLetterClaim::Won("first".into())
+    );
+    // A fresh publish of the key starts over: a new copy, a new id.
+    a.count_delivery_failure("orders", "o-2", true)
+        .await
+        .unwrap();
+    assert_eq!(
+        b.claim_dead_letter("orders", "o-2", "fresh", LONG)
+            .await
+            .unwrap(),
+        DeadLetterClaim::Won("fresh".into())
+    );
 }
 
 async fn completed_claims_replay_and_mismatch(backend: Backend, test: &str) {
@@ -671,4 +777,5 @@ conformance!(
     a_reconciled_answer_completes_only_its_uncertain_record,
     every_answer_carries_the_records_expiry,
     a_tombstone_outlives_the_retention_then_is_swept,
+    a_dead_letter_copy_has_one_publisher,
 );

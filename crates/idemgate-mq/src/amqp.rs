@@ -36,7 +36,10 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{DeadLetters, Deliverer, Message, Verdict, keep_connected, redact};
+use super::{
+    DEAD_LETTER_PUBLISH_LIMIT, DEAD_LETTER_TIMED_OUT, DeadLetters, Deliverer, Message, Verdict,
+    keep_connected, redact,
+};
 
 /// Runs the consumer until `stop`, reconnecting with backoff.
 pub(super) async fn run(
@@ -171,11 +174,18 @@ async fn handle(
         // `x-death` history (the reason is in the log, where the deliverer
         // wrote it). A rejection lost with the connection is repeated on
         // the redelivery: the broker dead-letters only what it took.
-        (Verdict::DeadLetter(_), DeadLetters::Dlx) => {
+        (Verdict::DeadLetter { .. }, DeadLetters::Dlx) => {
             acked(delivery.reject(BasicRejectOptions { requeue: false }).await)
         }
-        (Verdict::DeadLetter(reason), DeadLetters::Queue(dead_letters)) => {
-            match dead_letter(d, channel, dead_letters, &delivery, &message, reason).await {
+        (Verdict::DeadLetter { reason, copy }, DeadLetters::Queue(dead_letters)) => {
+            let published = tokio::time::timeout(
+                DEAD_LETTER_PUBLISH_LIMIT,
+                dead_letter(d, channel, dead_letters, &delivery, &message, reason, copy),
+            );
+            match published
+                .await
+                .unwrap_or_else(|_| Err(DEAD_LETTER_TIMED_OUT.into()))
+            {
                 Ok(()) => Ok(()),
                 Err(e) => {
                     // The copy is not stored: the original stays, and comes
@@ -230,6 +240,7 @@ async fn dead_letter(
     delivery: &Delivery,
     message: &Message,
     reason: &str,
+    copy: &str,
 ) -> Result<(), String> {
     let failed = |e: lapin::Error| e.to_string();
     // The copy is a new message: a quorum queue's count of the original's
@@ -250,10 +261,11 @@ async fn dead_letter(
         AMQPValue::LongString(LongString::from(reason.to_owned())),
     );
     // Which copy this is: moved back to the queue, it is counted apart
-    // from the original (and from other copies).
+    // from the original (and from other copies). A copy made again after
+    // its first publisher died carries the same id.
     headers.insert(
         "x-idemgate-copy".into(),
-        AMQPValue::LongString(LongString::from(uuid::Uuid::now_v7().to_string())),
+        AMQPValue::LongString(LongString::from(copy.to_owned())),
     );
     headers.insert(
         "x-idemgate-consumer".into(),
@@ -281,12 +293,15 @@ async fn dead_letter(
         .map_err(failed)?;
     // A mandatory publish nobody could route is confirmed all the same,
     // with the message handed back: not stored.
+    // Refused or returned, the copy is not stored: the lease goes back.
     if !confirmed.is_ack() {
+        d.dead_letter_refused(message, copy).await;
         return Err(format!(
             "the broker refused the dead-letter copy for {dead_letters:?}"
         ));
     }
     if confirmed.take_message().is_some() {
+        d.dead_letter_refused(message, copy).await;
         return Err(format!(
             "the dead-letter queue {dead_letters:?} does not exist"
         ));

@@ -52,6 +52,7 @@ use idemgate_core::error::{Problem, Reason};
 use idemgate_core::metrics::{ConsumerCounters, MessageOutcome};
 use idemgate_core::trace;
 use idemgate_proxy::Proxy;
+use idemgate_store::sql::DeadLetterClaim;
 use idemgate_store::{RecordKey, key_ref};
 use tracing::Instrument;
 
@@ -224,19 +225,29 @@ pub enum Verdict {
     /// is in flight, the outcome is not recorded yet: try again in this
     /// process after the delay (see [`Deliverer::decide`]).
     Wait(Duration),
-    /// Move it to the dead-letter queue (then acknowledge it), for this
-    /// reason.
-    DeadLetter(String),
+    /// Move it to the dead letters (then acknowledge it), for `reason`,
+    /// as the copy named `copy` (`x-idemgate-copy`): this instance holds
+    /// the message's copy lease ([`DEAD_LETTER_LEASE`]).
+    DeadLetter { reason: String, copy: String },
 }
 
 impl Verdict {
+    /// A dead letter as [`Deliverer::deliver`] decides it, before the copy
+    /// lease names its copy.
+    fn dead_letter(reason: String) -> Verdict {
+        Verdict::DeadLetter {
+            reason,
+            copy: String::new(),
+        }
+    }
+
     /// Its name in a message's span.
     pub fn name(&self) -> &'static str {
         match self {
             Verdict::Ack(outcome) => outcome.as_str(),
             Verdict::Retry(_) => "retry",
             Verdict::Wait(_) => "wait",
-            Verdict::DeadLetter(_) => "dead_letter",
+            Verdict::DeadLetter { .. } => "dead_letter",
         }
     }
 }
@@ -252,6 +263,21 @@ pub struct Deliverer {
 /// How long a delivery is tried again in this process (store outage,
 /// copy in flight elsewhere) before it goes back to the broker.
 pub const MAX_IN_PROCESS_WAIT: Duration = Duration::from_secs(300);
+
+/// How long one instance holds the right to publish a message's
+/// dead-letter copy. Another instance that decided the same message's end
+/// meanwhile waits; a holder that died is replaced after this long.
+pub const DEAD_LETTER_LEASE: Duration = Duration::from_secs(30);
+
+/// How long a broker gets to store a dead-letter copy (its confirm):
+/// well inside [`DEAD_LETTER_LEASE`], so a holder never publishes after
+/// its lease passed to another instance.
+pub const DEAD_LETTER_PUBLISH_LIMIT: Duration = Duration::from_secs(10);
+
+/// A dead letter whose broker did not confirm it within
+/// [`DEAD_LETTER_PUBLISH_LIMIT`].
+pub const DEAD_LETTER_TIMED_OUT: &str =
+    "the broker did not confirm the dead-letter copy in time; the message is delivered again";
 
 impl Deliverer {
     /// A deliverer over an engine whose route is the consumer's name and a
@@ -300,6 +326,18 @@ impl Deliverer {
         loop {
             let delay = match self.deliver(message).await {
                 Verdict::Wait(delay) => delay,
+                // One copy, whichever instance decided it: published by
+                // the holder of the message's copy lease alone.
+                Verdict::DeadLetter { reason, .. } => match self.lease_dead_letter(message).await {
+                    Ok(DeadLetterClaim::Won(copy)) => return Verdict::DeadLetter { reason, copy },
+                    Ok(DeadLetterClaim::Copied) => {
+                        return Verdict::Ack(MessageOutcome::Duplicate);
+                    }
+                    // Another instance is publishing it (or the store is
+                    // away): wait, and find the copy stored — or its lease
+                    // lapsed.
+                    Ok(DeadLetterClaim::Busy) | Err(()) => self.settings.retry_delay,
+                },
                 verdict => return verdict,
             };
             if stop.is_cancelled() || waited >= MAX_IN_PROCESS_WAIT {
@@ -345,7 +383,7 @@ impl Deliverer {
                         Err(_) => return Verdict::Wait(self.settings.retry_delay),
                     }
                 }
-                return Verdict::DeadLetter(format!("no usable business key: {e}"));
+                return Verdict::dead_letter(format!("no usable business key: {e}"));
             }
         };
         // A dead-letter copy moved back to the source (a replay) is counted
@@ -380,7 +418,7 @@ impl Deliverer {
                 // Out of attempts already (its dead-letter copy failed
                 // before): straight to the dead letters, not upstream again.
                 Ok(false) => {
-                    return Verdict::DeadLetter(format!("the upstream failed {failures} time(s)"));
+                    return Verdict::dead_letter(format!("the upstream failed {failures} time(s)"));
                 }
             }
         }
@@ -421,7 +459,7 @@ impl Deliverer {
         }
         match &verdict {
             Verdict::Ack(_) | Verdict::Wait(_) => {}
-            Verdict::DeadLetter(reason) => {
+            Verdict::DeadLetter { reason, .. } => {
                 tracing::error!(consumer = %name, key = %key_ref(&key), topic = %message.topic.escape_debug(), reason = %reason, layer = "consumer", "dead-lettering the message");
             }
             Verdict::Retry(_) => {
@@ -484,7 +522,7 @@ impl Deliverer {
             }
             (Verdict::Ack(outcome), Ok(())) => *outcome,
             (Verdict::Retry(_) | Verdict::Wait(_), Ok(())) => MessageOutcome::Retried,
-            (Verdict::DeadLetter(_), Ok(())) => MessageOutcome::DeadLettered,
+            (Verdict::DeadLetter { .. }, Ok(())) => MessageOutcome::DeadLettered,
         };
         let _ = message;
         self.counters.record(outcome);
@@ -495,13 +533,8 @@ impl Deliverer {
     /// a second copy. Best effort: without it a redelivery makes a second
     /// copy, never a lost message.
     pub async fn dead_lettered(&self, message: &Message) {
-        let key = match (self.key_of(message), keyless_mark(message)) {
-            (Ok(key), _) => delivery_row(key, message),
-            (Err(_), Some(mark)) => mark,
-            // Nothing that names this message alone: a redelivery after a
-            // lost ack makes a second copy rather than risk another
-            // message's loss.
-            (Err(_), None) => return,
+        let Some(key) = self.dead_letter_row(message) else {
+            return;
         };
         if let Err(e) = self
             .engine
@@ -511,6 +544,51 @@ impl Deliverer {
             .await
         {
             tracing::warn!(consumer = %self.settings.name, key = %key_ref(&key), error = %e, layer = "consumer", "the dead-letter copy is stored but could not be recorded; a redelivery would make a second copy");
+        }
+    }
+
+    /// Gives back `message`'s copy lease: the broker refused its copy
+    /// `copy`, so the next try (on any instance) need not wait for the
+    /// lease to lapse. Not after a copy that may have been stored (a lost
+    /// confirm): that lease lapses, and the copy is made again under the
+    /// same id.
+    pub async fn dead_letter_refused(&self, message: &Message, copy: &str) {
+        let Some(key) = self.dead_letter_row(message) else {
+            return;
+        };
+        let _ = self
+            .engine
+            .store()
+            .sql()
+            .release_dead_letter(&self.settings.name, &key, copy)
+            .await;
+    }
+
+    /// Takes `message`'s copy lease: the copy's id when this instance is
+    /// to publish it. A message nothing names alone (no key, no id) and a
+    /// rejection the broker routes (`dlx`) need no lease.
+    async fn lease_dead_letter(&self, message: &Message) -> Result<DeadLetterClaim, ()> {
+        let offered = uuid::Uuid::now_v7().to_string();
+        let row = match self.dead_letter_row(message) {
+            Some(row) if self.settings.source.copies_dead_letters() => row,
+            _ => return Ok(DeadLetterClaim::Won(offered)),
+        };
+        self.engine
+            .store()
+            .sql()
+            .claim_dead_letter(&self.settings.name, &row, &offered, DEAD_LETTER_LEASE)
+            .await
+            .map_err(|_| ())
+    }
+
+    /// The store row that keeps `message`'s dead-letter mark and lease:
+    /// its delivery row, or a keyless message's own mark. `None`: nothing
+    /// names this message alone, so a redelivery after a lost ack makes a
+    /// second copy rather than risk another message's loss.
+    fn dead_letter_row(&self, message: &Message) -> Option<String> {
+        match (self.key_of(message), keyless_mark(message)) {
+            (Ok(key), _) => Some(delivery_row(key, message)),
+            (Err(_), mark) => mark,
         }
     }
 
@@ -567,12 +645,12 @@ impl Deliverer {
                 return Verdict::Ack(MessageOutcome::Duplicate);
             }
             EngineVerdict::Refused(Reason::IdempotencyKeyReused | Reason::BusinessKeyReused) => {
-                return Verdict::DeadLetter(
+                return Verdict::dead_letter(
                     "its key was first used for a message whose must_match fields differ".into(),
                 );
             }
             EngineVerdict::Refused(Reason::BodyTooLarge) => {
-                return Verdict::DeadLetter("the message is over server.max_body_bytes".into());
+                return Verdict::dead_letter("the message is over server.max_body_bytes".into());
             }
             // Nothing was forwarded: the message waits for the store, a
             // budget, or the copy in flight (here or on another instance).
@@ -599,7 +677,7 @@ impl Deliverer {
             Err(_) => return Verdict::Retry(self.settings.retry_delay),
         };
         if failures >= self.settings.max_deliveries {
-            return Verdict::DeadLetter(format!(
+            return Verdict::dead_letter(format!(
                 "the upstream failed {failures} time(s), the last with {}",
                 status.as_u16()
             ));

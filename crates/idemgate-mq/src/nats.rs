@@ -23,7 +23,10 @@ use futures_util::StreamExt;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{Deliverer, Message, Verdict, keep_connected, redact};
+use super::{
+    DEAD_LETTER_PUBLISH_LIMIT, DEAD_LETTER_TIMED_OUT, Deliverer, Message, Verdict, keep_connected,
+    redact,
+};
 
 /// The shortest ack wait: the server delivers an unacknowledged message
 /// again after it (a holder may still run, and its claim answers the copy).
@@ -200,8 +203,15 @@ async fn handle(
     let done: Result<(), Failure> = match &verdict {
         Verdict::Ack(_) => message.double_ack().await,
         Verdict::Retry(delay) | Verdict::Wait(delay) => nak(*delay).await,
-        Verdict::DeadLetter(reason) => {
-            match dead_letter(d, js, dead_letters, &message, reason).await {
+        Verdict::DeadLetter { reason, copy } => {
+            let published = tokio::time::timeout(
+                DEAD_LETTER_PUBLISH_LIMIT,
+                dead_letter(d, js, dead_letters, &message, reason, copy),
+            );
+            match published
+                .await
+                .unwrap_or_else(|_| Err(DEAD_LETTER_TIMED_OUT.into()))
+            {
                 Ok(()) => Ok(()),
                 Err(e) => {
                     // Not stored: back after the delay, failure count kept.
@@ -220,6 +230,7 @@ async fn dead_letter(
     subject: &str,
     message: &jetstream::Message,
     reason: &str,
+    copy: &str,
 ) -> Result<(), Failure> {
     // The original's headers, minus JetStream's own (`Nats-Expected-*`,
     // `Nats-TTL`, `Nats-Rollup` … would refuse, expire or purge the copy).
@@ -243,14 +254,22 @@ async fn dead_letter(
     headers.insert("Nats-Msg-Id", id);
     headers.insert("Idemgate-Reason", sanitize(reason));
     headers.insert("Idemgate-Consumer", d.settings().name.to_string());
-    headers.insert("Idemgate-Copy", uuid::Uuid::now_v7().to_string());
+    headers.insert("Idemgate-Copy", copy);
     headers.insert("Idemgate-Subject", message.subject.to_string());
     if let Some(id) = message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
         headers.insert("Idemgate-Msg-Id", id.as_str());
     }
-    js.publish_with_headers(subject.to_owned(), headers, message.payload.clone())
-        .await?
-        .await?;
+    let stored = async {
+        js.publish_with_headers(subject.to_owned(), headers, message.payload.clone())
+            .await?
+            .await
+    };
+    if let Err(e) = stored.await {
+        // Published again under the same `Nats-Msg-Id`, a copy that did
+        // land is dropped by JetStream's de-duplication: the lease can go.
+        d.dead_letter_refused(&to_message(message), copy).await;
+        return Err(e.into());
+    }
     // Recorded before the ack (JetStream's de-duplication also drops a
     // second copy within its window; the record holds past it).
     d.dead_lettered(&to_message(message)).await;

@@ -41,7 +41,10 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{Deliverer, Message, StreamSource, Verdict, keep_connected, redact};
+use super::{
+    DEAD_LETTER_PUBLISH_LIMIT, DEAD_LETTER_TIMED_OUT, Deliverer, Message, StreamSource, Verdict,
+    keep_connected, redact,
+};
 
 /// How long one `XREADGROUP` blocks for new entries.
 const READ_BLOCK: Duration = Duration::from_millis(1000);
@@ -387,8 +390,14 @@ async fn handle(
                     continue;
                 }
             }
-            Verdict::DeadLetter(reason) => {
-                dead_letter(d, &mut conn, source, &entry, &message, reason).await
+            Verdict::DeadLetter { reason, copy } => {
+                let published = tokio::time::timeout(
+                    DEAD_LETTER_PUBLISH_LIMIT,
+                    dead_letter(d, &mut conn, source, &entry, &message, reason, copy),
+                );
+                published
+                    .await
+                    .unwrap_or_else(|_| Err(DEAD_LETTER_TIMED_OUT.into()))
             }
         };
         d.settled(&message, &verdict, done);
@@ -423,6 +432,7 @@ async fn dead_letter(
     entry: &StreamId,
     message: &Message,
     reason: &str,
+    copy: &str,
 ) -> Result<(), String> {
     let mut add = redis::cmd("XADD");
     add.arg(&source.dead_letter).arg("*");
@@ -433,14 +443,22 @@ async fn dead_letter(
         }
     }
     add.arg("idemgate-copy")
-        .arg(uuid::Uuid::now_v7().to_string())
+        .arg(copy)
         .arg("idemgate-reason")
         .arg(reason)
         .arg("idemgate-consumer")
         .arg(d.settings().name.as_ref())
         .arg("idemgate-id")
         .arg(&entry.id);
-    let _: String = add.query_async(conn).await.map_err(|e| e.to_string())?;
+    let added: Result<String, _> = add.query_async(conn).await;
+    if let Err(e) = added {
+        // Redis answered with an error: nothing was added, and the lease
+        // goes back. Lost on the way, it may have been: the lease lapses.
+        if e.kind() != redis::ErrorKind::Io && !e.is_timeout() && !e.is_connection_dropped() {
+            d.dead_letter_refused(message, copy).await;
+        }
+        return Err(e.to_string());
+    }
     // Recorded before the ack: a claim after a lost XACK adds no second
     // copy, on any instance.
     d.dead_lettered(message).await;

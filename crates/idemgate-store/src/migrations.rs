@@ -32,7 +32,7 @@ struct Source {
 }
 
 #[cfg(feature = "postgres")]
-const POSTGRES: [Source; 6] = [
+const POSTGRES: [Source; 7] = [
     Source {
         version: 1,
         description: "records",
@@ -63,10 +63,15 @@ const POSTGRES: [Source; 6] = [
         description: "partitions",
         sql: include_str!("../migrations/postgres/0006_partitions.sql"),
     },
+    Source {
+        version: 7,
+        description: "dead_letter_lease",
+        sql: include_str!("../migrations/postgres/0007_dead_letter_lease.sql"),
+    },
 ];
 
 #[cfg(feature = "sqlite")]
-const SQLITE: [Source; 5] = [
+const SQLITE: [Source; 6] = [
     Source {
         version: 1,
         description: "records",
@@ -91,6 +96,11 @@ const SQLITE: [Source; 5] = [
         version: 5,
         description: "deliveries",
         sql: include_str!("../migrations/sqlite/0005_deliveries.sql"),
+    },
+    Source {
+        version: 7,
+        description: "dead_letter_lease",
+        sql: include_str!("../migrations/sqlite/0007_dead_letter_lease.sql"),
     },
 ];
 

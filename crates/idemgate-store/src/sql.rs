@@ -614,6 +614,52 @@ impl SqlStore {
         .await
     }
 
+    /// Takes the lease to publish a consumed message's dead-letter copy
+    /// for `lease`, so that one instance publishes it while any other that
+    /// decided the same end waits: [`DeadLetterClaim::Won`] with the copy's
+    /// id — `offered` the first time, the row's own after that, so a copy
+    /// made again after a holder died carries its predecessor's id.
+    pub async fn claim_dead_letter(
+        &self,
+        route: &str,
+        key: &str,
+        offered: &str,
+        lease: Duration,
+    ) -> Result<DeadLetterClaim, StoreError> {
+        let statement = self.sql().claim_dead_letter.as_str();
+        let ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        let won: Option<String> = self
+            .bounded("delivery", async {
+                with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).bind(offered).bind(ms)
+                    .fetch_optional(pool).await
+                    .and_then(|row| row.map(|r| r.try_get(0)).transpose()))
+            })
+            .await?;
+        if let Some(copy) = won {
+            return Ok(DeadLetterClaim::Won(copy));
+        }
+        // Not taken: the copy is stored, or another instance is making it.
+        Ok(match self.delivery(route, key).await? {
+            (_, true) => DeadLetterClaim::Copied,
+            (_, false) => DeadLetterClaim::Busy,
+        })
+    }
+
+    /// Gives back the copy lease [`Self::claim_dead_letter`] won, when the
+    /// copy was refused: the next try need not wait for it to lapse.
+    pub async fn release_dead_letter(
+        &self,
+        route: &str,
+        key: &str,
+        copy: &str,
+    ) -> Result<(), StoreError> {
+        let statement = self.sql().release_dead_letter.as_str();
+        self.bounded("delivery", async {
+            with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).bind(copy).execute(pool).await.map(|_| ()))
+        })
+        .await
+    }
+
     /// Forgets delivery rows untouched since `before_ms`.
     pub async fn trim_deliveries(&self, before_ms: i64) -> Result<u64, StoreError> {
         let statement = self.sql().trim_deliveries.as_str();
@@ -1025,6 +1071,18 @@ async fn bounded_by<T>(
         }),
         Err(_) => Err(StoreError::Timeout { op, after: limit }),
     }
+}
+
+/// Who publishes a consumed message's dead-letter copy
+/// ([`SqlStore::claim_dead_letter`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadLetterClaim {
+    /// This caller, under this copy id.
+    Won(String),
+    /// Nobody: the copy is stored.
+    Copied,
+    /// Another instance, under a live lease.
+    Busy,
 }
 
 /// One logged purge.

@@ -44,8 +44,17 @@ pub(super) struct Statements {
     /// `$1 route, $2 key, $3 first`: counts a failed attempt (the first of
     /// a fresh delivery starts the count over) → the failures so far.
     pub count_delivery_failure: String,
-    /// `$1 route, $2 key`: its dead-letter copy is stored.
+    /// `$1 route, $2 key`: its dead-letter copy is stored (the copy lease
+    /// ends with it).
     pub mark_dead_lettered: String,
+    /// `$1 route, $2 key, $3 a new copy id, $4 lease ms`: takes the copy
+    /// lease of a message not yet dead-lettered whose lease is free or
+    /// lapsed → the copy id (the row's, once one was given); no row when
+    /// the copy is stored or another instance holds the lease.
+    pub claim_dead_letter: String,
+    /// `$1 route, $2 key, $3 copy id`: gives the copy lease back (its copy
+    /// was refused).
+    pub release_dead_letter: String,
     /// Forgets delivery rows untouched since `$1` (ms).
     pub trim_deliveries: String,
     /// `$1..$3` key, `$4 epoch, $5 status, $6 headers, $7 body, $8
@@ -252,14 +261,32 @@ impl Statements {
                  ON CONFLICT (route, idem_key) DO UPDATE SET \
                    failures = CASE WHEN $3 THEN 1 ELSE idempotency_deliveries.failures + 1 END, \
                    dead_letter = CASE WHEN $3 THEN FALSE ELSE idempotency_deliveries.dead_letter END, \
+                   copy_id = CASE WHEN $3 THEN NULL ELSE idempotency_deliveries.copy_id END, \
+                   copying_until = CASE WHEN $3 THEN NULL ELSE idempotency_deliveries.copying_until END, \
                    updated_at = {now} \
                  RETURNING failures",
             ),
             mark_dead_lettered: fill(
                 "INSERT INTO idempotency_deliveries (route, idem_key, failures, dead_letter, updated_at) \
                  VALUES ($1, $2, 0, TRUE, {now}) \
-                 ON CONFLICT (route, idem_key) DO UPDATE SET dead_letter = TRUE, updated_at = {now}",
+                 ON CONFLICT (route, idem_key) DO UPDATE SET dead_letter = TRUE, \
+                   copying_until = NULL, updated_at = {now}",
             ),
+            claim_dead_letter: fill(
+                "INSERT INTO idempotency_deliveries \
+                   (route, idem_key, failures, dead_letter, updated_at, copy_id, copying_until) \
+                 VALUES ($1, $2, 0, FALSE, {now}, $3, {now} + $4) \
+                 ON CONFLICT (route, idem_key) DO UPDATE SET \
+                   copy_id = COALESCE(idempotency_deliveries.copy_id, $3), \
+                   copying_until = {now} + $4, updated_at = {now} \
+                 WHERE NOT idempotency_deliveries.dead_letter \
+                   AND (idempotency_deliveries.copying_until IS NULL \
+                        OR idempotency_deliveries.copying_until <= {now}) \
+                 RETURNING copy_id",
+            ),
+            release_dead_letter: "UPDATE idempotency_deliveries SET copying_until = NULL \
+                 WHERE route = $1 AND idem_key = $2 AND copy_id = $3 AND NOT dead_letter"
+                .to_owned(),
             trim_deliveries: "DELETE FROM idempotency_deliveries WHERE updated_at < $1".to_owned(),
             select_by_route_key: fill(
                 "SELECT {columns}, {now} FROM idempotency_records \
