@@ -165,10 +165,62 @@ struct Figures {
     per_second: f64,
     p50_ms: f64,
     p99_ms: f64,
+    /// CPU per message, µs: RabbitMQ, Postgres, this process (publisher,
+    /// consumer — bare or the gateway — and upstream).
+    cpu: [f64; 3],
 }
+
+/// CPU time so far, in clock ticks, of RabbitMQ (`beam.smp`), every
+/// Postgres process, and this process — from `/proc`, so that a round's
+/// cost per message can be split by party.
+fn cpu_ticks() -> [u64; 3] {
+    let me = std::process::id().to_string();
+    let mut ticks = [0u64; 3];
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return ticks;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state …`: utime and stime are the 14th and 15th fields.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = &stat[open + 1..close];
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let used = fields
+            .get(11)
+            .and_then(|u| u.parse::<u64>().ok())
+            .unwrap_or(0)
+            + fields
+                .get(12)
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(0);
+        let party = match comm {
+            "beam.smp" => 0,
+            "postgres" => 1,
+            _ if pid == me => 2,
+            _ => continue,
+        };
+        ticks[party] += used;
+    }
+    ticks
+}
+
+/// Microseconds per clock tick (`getconf CLK_TCK`, 100 on Linux).
+const MICROS_PER_TICK: f64 = 10_000.0;
 
 async fn measure(queue: &str, arrivals: &Arrivals, messages: usize, round: usize) -> Figures {
     arrivals.latencies.lock().unwrap().clear();
+    let before = cpu_ticks();
     let started = publish_round(queue, messages, round).await;
     loop {
         if arrivals.latencies.lock().unwrap().len() >= messages {
@@ -183,6 +235,10 @@ async fn measure(queue: &str, arrivals: &Arrivals, messages: usize, round: usize
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let elapsed = started.elapsed();
+    let after = cpu_ticks();
+    let cpu = std::array::from_fn(|i| {
+        after[i].saturating_sub(before[i]) as f64 * MICROS_PER_TICK / messages as f64
+    });
     let mut latencies = arrivals.latencies.lock().unwrap().clone();
     latencies.sort_unstable();
     let at = |q: f64| {
@@ -192,6 +248,7 @@ async fn measure(queue: &str, arrivals: &Arrivals, messages: usize, round: usize
         per_second: messages as f64 / elapsed.as_secs_f64(),
         p50_ms: at(0.50),
         p99_ms: at(0.99),
+        cpu,
     }
 }
 
@@ -261,9 +318,9 @@ async fn main() {
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     println!(
-        "| round | bare msg/s | idemgate msg/s | ratio | bare p50 / p99 ms | idemgate p50 / p99 ms |"
+        "| round | bare msg/s | idemgate msg/s | ratio | bare p50 / p99 ms | idemgate p50 / p99 ms | bare CPU µs/msg RabbitMQ / Postgres / bench | idemgate CPU µs/msg RabbitMQ / Postgres / bench |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     // Warm-up, then alternating rounds so drift hits both alike.
     let _ = measure(&bare_queue, &arrivals, messages / 5, 1000).await;
     let _ = measure(&gate_queue, &arrivals, messages / 5, 1000).await;
@@ -271,14 +328,20 @@ async fn main() {
         let bare = measure(&bare_queue, &arrivals, messages, round).await;
         let gate = measure(&gate_queue, &arrivals, messages, round).await;
         println!(
-            "| {round} | {:.0} | {:.0} | {:.2}× | {:.1} / {:.1} | {:.1} / {:.1} |",
+            "| {round} | {:.0} | {:.0} | {:.2}× | {:.1} / {:.1} | {:.1} / {:.1} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} |",
             bare.per_second,
             gate.per_second,
             gate.per_second / bare.per_second,
             bare.p50_ms,
             bare.p99_ms,
             gate.p50_ms,
-            gate.p99_ms
+            gate.p99_ms,
+            bare.cpu[0],
+            bare.cpu[1],
+            bare.cpu[2],
+            gate.cpu[0],
+            gate.cpu[1],
+            gate.cpu[2],
         );
     }
     gateway.shutdown().await;

@@ -80,6 +80,38 @@ async fn amqp_the_same_message_published_100_times_executes_once_and_all_are_ack
     stack.shutdown().await;
 }
 
+/// Acks go out in runs (one `multiple` ack for messages settled
+/// together), and a run never covers a message still in hand: 300
+/// messages whose first 60 attempts fail — each held `retry_delay`, then
+/// requeued, while the rest are acknowledged around them — all execute
+/// once, none is acknowledged before its outcome (it would be lost, never
+/// executed), and the channel never sees a tag settled twice (an error).
+#[tokio::test]
+async fn amqp_acks_in_runs_never_cover_a_message_being_requeued() {
+    let Some(queue) = Queue::new("amqp_runs").await else {
+        return;
+    };
+    let stack =
+        Stack::start(&queue.consumer("pay", "/actions/runs", "prefetch = 64\nmax_deliveries = 5"))
+            .await;
+    arm(&stack, r#"{"fail_status": 503, "count": 60}"#).await;
+    for i in 0..300 {
+        queue.publish(Some(&format!("r-{i}")), b"{}", &[]).await;
+    }
+    let settled = eventually(WAIT, || async {
+        metric(&stack, "pay", "forwarded").await == 300
+    })
+    .await;
+    let keys = per_key(&stack, "runs");
+    assert!(settled, "{} of 300 executed", keys.len());
+    assert_eq!(keys.len(), 300);
+    assert!(keys.values().all(|n| *n == 1), "{keys:?}");
+    assert!(metric(&stack, "pay", "retried").await >= 60);
+    assert_eq!(metric(&stack, "pay", "error").await, 0);
+    assert_eq!(queue.ready(&queue.name).await, 0);
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn nats_the_same_message_published_100_times_executes_once_and_all_are_acked() {
     let Some(stream) = Stream::new("nats_100", None).await else {

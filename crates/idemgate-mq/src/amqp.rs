@@ -15,10 +15,15 @@
 //!   another instance. Store outages and copies in flight are waited out
 //!   in process ([`Deliverer::decide`]): a requeue counts against a quorum
 //!   queue's `delivery-limit`.
+//! - Acknowledgements go out in runs ([`acks`]): one `multiple` ack for
+//!   the messages whose outcomes became durable together, never reaching
+//!   past a message still in hand.
 //! - A dropped connection ends the session; deliveries still running are
 //!   seen through by their holders, and their acks are refused with the
 //!   channel (counted as `error`) — the broker delivers them again and the
 //!   store answers the repeat.
+
+mod acks;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,13 +32,14 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::task::JoinSet;
+
+use acks::{Acks, Refusal};
 use tokio_util::sync::CancellationToken;
 
 use super::{
@@ -114,17 +120,22 @@ async fn session(
     // process (store away, a copy elsewhere) stops waiting; its holder, if
     // it claimed, still sees the claim through.
     let session = stop.child_token();
+    let (acks, acker) = Acks::start(channel.clone());
     let mut running = JoinSet::new();
     let ended = loop {
         tokio::select! {
             _ = stop.cancelled() => break Ok(()),
             next = consumer.next() => match next {
                 Some(Ok(delivery)) => {
+                    acks.delivered(delivery.delivery_tag);
                     let d = d.clone();
                     let channel = channel.clone();
+                    let acks = acks.clone();
                     let session = session.clone();
                     let dead_letters = dead_letters.clone();
-                    running.spawn(async move { handle(&d, &channel, &dead_letters, delivery, &session).await });
+                    running.spawn(async move {
+                        handle(&d, &channel, &acks, &dead_letters, delivery, &session).await
+                    });
                 }
                 Some(Err(e)) => break Err(e),
                 None => break Ok(()),
@@ -146,6 +157,8 @@ async fn session(
         {
             tracing::warn!(consumer = %settings.name, left = running.len(), layer = "consumer", "shutdown grace over; unacknowledged messages are delivered again");
         }
+        acks.close();
+        acker.abort();
         let _ = connection.close(200, "idemgate stopping".into()).await;
         return Ok(());
     }
@@ -153,6 +166,8 @@ async fn session(
     // their claims through; their acks fail with the connection.
     session.cancel();
     running.detach_all();
+    acks.close();
+    acker.abort();
     let _ = connection.close(200, "reconnecting".into()).await;
     ended
 }
@@ -160,23 +175,23 @@ async fn session(
 async fn handle(
     d: &Deliverer,
     channel: &Channel,
+    acks: &Acks,
     dead_letters: &DeadLetters,
     delivery: Delivery,
     stop: &CancellationToken,
 ) {
     let message = to_message(&delivery);
     let verdict = d.decide(&message, stop, || async {}).await;
+    let tag = delivery.delivery_tag;
     let done = match (&verdict, dead_letters) {
-        (Verdict::Ack(_), _) => acked(delivery.ack(BasicAckOptions::default()).await),
-        (Verdict::Retry(delay) | Verdict::Wait(delay), _) => requeue(&delivery, *delay, stop).await,
+        (Verdict::Ack(_), _) => acks.ack(tag).await,
+        (Verdict::Retry(delay) | Verdict::Wait(delay), _) => requeue(acks, tag, *delay, stop).await,
         // The queue's owner routes dead letters: a rejection without
         // requeue hands it to the queue's dead-letter exchange, with its
         // `x-death` history (the reason is in the log, where the deliverer
         // wrote it). A rejection lost with the connection is repeated on
         // the redelivery: the broker dead-letters only what it took.
-        (Verdict::DeadLetter { .. }, DeadLetters::Dlx) => {
-            acked(delivery.reject(BasicRejectOptions { requeue: false }).await)
-        }
+        (Verdict::DeadLetter { .. }, DeadLetters::Dlx) => acks.refuse(tag, Refusal::Reject).await,
         (Verdict::DeadLetter { reason, copy }, DeadLetters::Queue(dead_letters)) => {
             let published = tokio::time::timeout(
                 DEAD_LETTER_PUBLISH_LIMIT,
@@ -186,11 +201,13 @@ async fn handle(
                 .await
                 .unwrap_or_else(|_| Err(DEAD_LETTER_TIMED_OUT.into()))
             {
-                Ok(()) => Ok(()),
+                // Outside the publish's time limit: an ack is never given
+                // up half-way (a requeue after it would settle it twice).
+                Ok(()) => acks.ack(tag).await,
                 Err(e) => {
                     // The copy is not stored: the original stays, and comes
                     // back after the delay (its failure count is kept).
-                    let _ = requeue(&delivery, d.settings().retry_delay, stop).await;
+                    let _ = requeue(acks, tag, d.settings().retry_delay, stop).await;
                     Err(e)
                 }
             }
@@ -202,7 +219,8 @@ async fn handle(
 /// Holds the message `delay` (cut short by a stop, so that another
 /// instance gets it at once), then rejects it with requeue.
 async fn requeue(
-    delivery: &Delivery,
+    acks: &Acks,
+    tag: u64,
     delay: Duration,
     stop: &CancellationToken,
 ) -> Result<(), String> {
@@ -210,29 +228,12 @@ async fn requeue(
         _ = stop.cancelled() => {}
         _ = tokio::time::sleep(delay) => {}
     }
-    acked(
-        delivery
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..BasicNackOptions::default()
-            })
-            .await,
-    )
-}
-
-/// An ack or nack the channel took. lapin answers `Ok(false)` without
-/// sending anything when the channel is gone: that is a failure, not an
-/// acknowledgement.
-fn acked(result: Result<bool, lapin::Error>) -> Result<(), String> {
-    match result {
-        Ok(true) => Ok(()),
-        Ok(false) => Err("the channel is closed; the broker delivers the message again".into()),
-        Err(e) => Err(e.to_string()),
-    }
+    acks.refuse(tag, Refusal::Requeue).await
 }
 
 /// Publishes a copy to the dead-letter queue — mandatory, confirmed, and
-/// not returned as unroutable — then acknowledges the original.
+/// not returned as unroutable — and records it; the caller acknowledges
+/// the original.
 async fn dead_letter(
     d: &Deliverer,
     channel: &Channel,
@@ -309,7 +310,7 @@ async fn dead_letter(
     // Recorded before the ack: if the ack is lost, the redelivery is
     // acknowledged without a second copy, on any instance.
     d.dead_lettered(message).await;
-    acked(delivery.ack(BasicAckOptions::default()).await)
+    Ok(())
 }
 
 /// The original's properties for its dead-letter copy, persistent, minus
