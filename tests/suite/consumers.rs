@@ -929,7 +929,9 @@ async fn a_lost_ack_after_a_dead_letter_copy_makes_no_second_copy() {
 /// same message's end: it adds no copy of its own, and acknowledges the
 /// message once the other's copy is recorded. A lease whose holder died
 /// lapses, and the copy is added under the holder's copy id; a message
-/// nobody is copying is copied at once.
+/// nobody is copying is copied at once; one whose only attempt failed here
+/// while another instance copies it waits for that copy, never going
+/// upstream again.
 #[tokio::test]
 async fn a_dead_letter_another_instance_is_adding_is_not_added_twice() {
     let Some(queue) = Queue::new("amqp_dlq_lease").await else {
@@ -949,30 +951,37 @@ async fn a_dead_letter_another_instance_is_adding_is_not_added_twice() {
         .connect(&db)
         .await
         .unwrap();
-    // Each out of attempts (another instance counted the failure); h-1's
-    // copy is being added by another instance, d-1's holder died 2.5 s
-    // from now, nobody copies f-1.
-    for (key, copy, lease_ms) in [
-        ("h-1", Some("theirs-1"), Some(60_000)),
-        ("d-1", Some("theirs-2"), Some(2_500)),
-        ("f-1", None, None),
+    // h-1, d-1 and f-1 are out of attempts (another instance counted the
+    // failure): h-1's copy is being added by another instance, d-1's
+    // holder died 2.5 s from now, nobody copies f-1. b-1 is published
+    // afresh while another instance copies it (for 2.5 s): its one
+    // attempt fails here, and it waits for that copy — never upstream
+    // again.
+    for (key, failures, copy, lease_ms) in [
+        ("h-1", 1, Some("theirs-1"), Some(60_000)),
+        ("d-1", 1, Some("theirs-2"), Some(2_500)),
+        ("f-1", 1, None, None),
+        ("b-1", 0, Some("theirs-3"), Some(2_500)),
     ] {
         sqlx::query(
             "INSERT INTO idempotency_deliveries \
              (route, idem_key, failures, dead_letter, updated_at, copy_id, copying_until) \
-             SELECT 'pay', $1, 1, FALSE, t, $2, t + $3 \
+             SELECT 'pay', $1, $2, FALSE, t, $3, t + $4 \
              FROM (SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS t) AS now",
         )
         .bind(key)
+        .bind(failures)
         .bind(copy)
         .bind(lease_ms.map(i64::from))
         .execute(&pool)
         .await
         .unwrap();
     }
+    arm(&stack, r#"{"fail_status": 503}"#).await;
     for id in ["h-1", "d-1", "f-1"] {
         queue.publish_redelivered(id, b"{}").await;
     }
+    queue.publish(Some("b-1"), b"{}", &[]).await;
     let free = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 1 }).await;
     assert!(free, "the message nobody copies was not copied");
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -991,9 +1000,9 @@ async fn a_dead_letter_another_instance_is_adding_is_not_added_twice() {
     })
     .await;
     assert!(acked, "never acknowledged after the other's copy");
-    // The dead holder's lease lapses: copied once, under its id.
-    let lapsed = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 2 }).await;
-    assert!(lapsed, "never copied after the holder's lease lapsed");
+    // The dead holders' leases lapse: copied once each, under their ids.
+    let lapsed = eventually(WAIT, || async { queue.ready(&queue.dlq()).await == 3 }).await;
+    assert!(lapsed, "never copied after the holders' leases lapsed");
     let mut copies = BTreeMap::new();
     while let Some(copy) = queue.take(&queue.dlq()).await {
         let properties = &copy.delivery.properties;
@@ -1005,11 +1014,16 @@ async fn a_dead_letter_another_instance_is_adding_is_not_added_twice() {
         };
         copies.insert(id, copy_id);
     }
-    assert_eq!(copies.len(), 2, "{copies:?}");
+    assert_eq!(copies.len(), 3, "{copies:?}");
     assert_eq!(copies["d-1"], "theirs-2", "{copies:?}");
+    assert_eq!(copies["b-1"], "theirs-3", "{copies:?}");
     assert!(!copies.contains_key("h-1"), "{copies:?}");
     assert_eq!(queue.ready(&queue.name).await, 0);
-    assert_eq!(stack.upstream.state.stats().requests, 0);
+    assert_eq!(
+        stack.upstream.state.stats().requests,
+        1,
+        "b-1 went upstream again while it waited for its copy"
+    );
     stack.shutdown().await;
 }
 

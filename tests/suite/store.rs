@@ -237,7 +237,8 @@ async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str)
 /// instances deciding its end at once (two stores, pools of their own),
 /// one takes the copy lease; the rest find it busy, then the copy stored.
 /// A publisher that died leaves the lease to lapse, and its successor
-/// publishes under the same copy id; a refused copy gives the lease back.
+/// publishes under the same copy id; a live one renews it; a refused copy
+/// gives the lease back, and only its own holder can.
 async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
     use idemgate_store::sql::DeadLetterClaim;
     let Some((a, dir)) = sql_store(backend, test, Duration::ZERO, LONG).await else {
@@ -284,8 +285,8 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
         );
     }
     // A publisher that died: its lease lapses, and the copy is made again
-    // under its id.
-    let short = Duration::from_millis(200);
+    // under its id, by a holder of its own.
+    let short = Duration::from_millis(300);
     let first = a
         .claim_dead_letter("orders", "o-2", "first", short)
         .await
@@ -297,15 +298,21 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
             .unwrap(),
         DeadLetterClaim::Busy
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(
         b.claim_dead_letter("orders", "o-2", "second", LONG)
             .await
             .unwrap(),
         DeadLetterClaim::Won("first".into())
     );
-    // Refused by the broker: given back by its holder alone.
-    a.release_dead_letter("orders", "o-2", "other")
+    // The late first holder can neither renew nor give back its
+    // successor's lease.
+    assert!(
+        !a.renew_dead_letter("orders", "o-2", "first", LONG)
+            .await
+            .unwrap()
+    );
+    a.release_dead_letter("orders", "o-2", "first")
         .await
         .unwrap();
     assert_eq!(
@@ -314,7 +321,19 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
             .unwrap(),
         DeadLetterClaim::Busy
     );
-    b.release_dead_letter("orders", "o-2", "first")
+    // A fresh publish of the key while a copy is being made leaves that
+    // lease alone.
+    a.count_delivery_failure("orders", "o-2", true)
+        .await
+        .unwrap();
+    assert_eq!(
+        a.claim_dead_letter("orders", "o-2", "third", LONG)
+            .await
+            .unwrap(),
+        DeadLetterClaim::Busy
+    );
+    // Refused by the broker: given back by its holder.
+    b.release_dead_letter("orders", "o-2", "second")
         .await
         .unwrap();
     assert_eq!(
@@ -323,7 +342,11 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
             .unwrap(),
         DeadLetterClaim::Won("first".into())
     );
-    // A fresh publish of the key starts over: a new copy, a new id.
+    // Once no copy is being made, a fresh publish of the key starts over:
+    // a new copy, a new id.
+    a.release_dead_letter("orders", "o-2", "third")
+        .await
+        .unwrap();
     a.count_delivery_failure("orders", "o-2", true)
         .await
         .unwrap();
@@ -333,6 +356,28 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
             .unwrap(),
         DeadLetterClaim::Won("fresh".into())
     );
+    // A slow publisher renews its lease: nobody takes it over while it
+    // keeps renewing.
+    assert_eq!(
+        a.claim_dead_letter("orders", "o-3", "slow", short)
+            .await
+            .unwrap(),
+        DeadLetterClaim::Won("slow".into())
+    );
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            a.renew_dead_letter("orders", "o-3", "slow", short)
+                .await
+                .unwrap()
+        );
+        assert_eq!(
+            b.claim_dead_letter("orders", "o-3", "eager", short)
+                .await
+                .unwrap(),
+            DeadLetterClaim::Busy
+        );
+    }
 }
 
 async fn completed_claims_replay_and_mismatch(backend: Backend, test: &str) {

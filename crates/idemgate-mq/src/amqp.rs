@@ -42,10 +42,7 @@ use tokio::task::JoinSet;
 use acks::{Acks, Refusal};
 use tokio_util::sync::CancellationToken;
 
-use super::{
-    DEAD_LETTER_PUBLISH_LIMIT, DEAD_LETTER_TIMED_OUT, DeadLetters, Deliverer, Message, Verdict,
-    keep_connected, redact,
-};
+use super::{CopyFailure, DeadLetters, Deliverer, Message, Verdict, keep_connected, redact};
 
 /// Runs the consumer until `stop`, reconnecting with backoff.
 pub(super) async fn run(
@@ -192,17 +189,17 @@ async fn handle(
         // wrote it). A rejection lost with the connection is repeated on
         // the redelivery: the broker dead-letters only what it took.
         (Verdict::DeadLetter { .. }, DeadLetters::Dlx) => acks.refuse(tag, Refusal::Reject).await,
-        (Verdict::DeadLetter { reason, copy }, DeadLetters::Queue(dead_letters)) => {
-            let published = tokio::time::timeout(
-                DEAD_LETTER_PUBLISH_LIMIT,
-                dead_letter(d, channel, dead_letters, &delivery, &message, reason, copy),
-            );
-            match published
-                .await
-                .unwrap_or_else(|_| Err(DEAD_LETTER_TIMED_OUT.into()))
-            {
-                // Outside the publish's time limit: an ack is never given
-                // up half-way (a requeue after it would settle it twice).
+        (
+            Verdict::DeadLetter {
+                reason,
+                copy,
+                holder,
+            },
+            DeadLetters::Queue(dead_letters),
+        ) => {
+            let name = &d.settings().name;
+            let publish = dead_letter(channel, dead_letters, &delivery, name, reason, copy);
+            match d.copy_dead_letter(&message, holder, publish).await {
                 Ok(()) => acks.ack(tag).await,
                 Err(e) => {
                     // The copy is not stored: the original stays, and comes
@@ -232,18 +229,17 @@ async fn requeue(
 }
 
 /// Publishes a copy to the dead-letter queue — mandatory, confirmed, and
-/// not returned as unroutable — and records it; the caller acknowledges
-/// the original.
+/// not returned as unroutable; the deliverer records it and the caller
+/// acknowledges the original.
 async fn dead_letter(
-    d: &Deliverer,
     channel: &Channel,
     dead_letters: &str,
     delivery: &Delivery,
-    message: &Message,
+    consumer: &str,
     reason: &str,
     copy: &str,
-) -> Result<(), String> {
-    let failed = |e: lapin::Error| e.to_string();
+) -> Result<(), CopyFailure> {
+    let failed = |e: lapin::Error| CopyFailure::Unknown(e.to_string());
     // The copy is a new message: a quorum queue's count of the original's
     // deliveries would make the copy, moved back to the queue by an
     // operator, look like a redelivery of a message already settled.
@@ -270,7 +266,7 @@ async fn dead_letter(
     );
     headers.insert(
         "x-idemgate-consumer".into(),
-        AMQPValue::LongString(LongString::from(d.settings().name.to_string())),
+        AMQPValue::LongString(LongString::from(consumer.to_owned())),
     );
     headers.insert(
         "x-idemgate-routing-key".into(),
@@ -294,22 +290,16 @@ async fn dead_letter(
         .map_err(failed)?;
     // A mandatory publish nobody could route is confirmed all the same,
     // with the message handed back: not stored.
-    // Refused or returned, the copy is not stored: the lease goes back.
     if !confirmed.is_ack() {
-        d.dead_letter_refused(message, copy).await;
-        return Err(format!(
+        return Err(CopyFailure::Refused(format!(
             "the broker refused the dead-letter copy for {dead_letters:?}"
-        ));
+        )));
     }
     if confirmed.take_message().is_some() {
-        d.dead_letter_refused(message, copy).await;
-        return Err(format!(
+        return Err(CopyFailure::Refused(format!(
             "the dead-letter queue {dead_letters:?} does not exist"
-        ));
+        )));
     }
-    // Recorded before the ack: if the ack is lost, the redelivery is
-    // acknowledged without a second copy, on any instance.
-    d.dead_lettered(message).await;
     Ok(())
 }
 

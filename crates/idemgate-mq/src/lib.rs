@@ -213,6 +213,16 @@ impl KeyedMessage for Message {
     }
 }
 
+/// Why a dead-letter copy was not stored.
+#[derive(Debug)]
+pub enum CopyFailure {
+    /// The broker answered no (unroutable, refused, no such stream): the
+    /// copy is not stored.
+    Refused(String),
+    /// No answer (the connection went): the copy may have been stored.
+    Unknown(String),
+}
+
 /// What to do with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -227,8 +237,13 @@ pub enum Verdict {
     Wait(Duration),
     /// Move it to the dead letters (then acknowledge it), for `reason`,
     /// as the copy named `copy` (`x-idemgate-copy`): this instance holds
-    /// the message's copy lease ([`DEAD_LETTER_LEASE`]).
-    DeadLetter { reason: String, copy: String },
+    /// the message's copy lease as `holder` ([`Deliverer::while_copying`]
+    /// keeps it).
+    DeadLetter {
+        reason: String,
+        copy: String,
+        holder: String,
+    },
 }
 
 impl Verdict {
@@ -238,6 +253,7 @@ impl Verdict {
         Verdict::DeadLetter {
             reason,
             copy: String::new(),
+            holder: String::new(),
         }
     }
 
@@ -265,19 +281,11 @@ pub struct Deliverer {
 pub const MAX_IN_PROCESS_WAIT: Duration = Duration::from_secs(300);
 
 /// How long one instance holds the right to publish a message's
-/// dead-letter copy. Another instance that decided the same message's end
-/// meanwhile waits; a holder that died is replaced after this long.
+/// dead-letter copy, at least (four store timeouts when longer), renewed
+/// every third of it while its broker has not confirmed the copy. Another
+/// instance that decided the same message's end meanwhile waits; a holder
+/// that died is replaced after this long.
 pub const DEAD_LETTER_LEASE: Duration = Duration::from_secs(30);
-
-/// How long a broker gets to store a dead-letter copy (its confirm):
-/// well inside [`DEAD_LETTER_LEASE`], so a holder never publishes after
-/// its lease passed to another instance.
-pub const DEAD_LETTER_PUBLISH_LIMIT: Duration = Duration::from_secs(10);
-
-/// A dead letter whose broker did not confirm it within
-/// [`DEAD_LETTER_PUBLISH_LIMIT`].
-pub const DEAD_LETTER_TIMED_OUT: &str =
-    "the broker did not confirm the dead-letter copy in time; the message is delivered again";
 
 impl Deliverer {
     /// A deliverer over an engine whose route is the consumer's name and a
@@ -323,21 +331,40 @@ impl Deliverer {
         F: std::future::Future<Output = ()>,
     {
         let mut waited = Duration::ZERO;
+        // Decided for the dead letters: from here on only its copy lease is
+        // tried for, never the upstream again.
+        let mut dead: Option<String> = None;
         loop {
-            let delay = match self.deliver(message).await {
+            let verdict = match dead.take() {
+                None => self.deliver(message).await,
+                Some(reason) => Verdict::dead_letter(reason),
+            };
+            let delay = match verdict {
                 Verdict::Wait(delay) => delay,
                 // One copy, whichever instance decided it: published by
                 // the holder of the message's copy lease alone.
-                Verdict::DeadLetter { reason, .. } => match self.lease_dead_letter(message).await {
-                    Ok(DeadLetterClaim::Won(copy)) => return Verdict::DeadLetter { reason, copy },
-                    Ok(DeadLetterClaim::Copied) => {
-                        return Verdict::Ack(MessageOutcome::Duplicate);
+                Verdict::DeadLetter { reason, .. } => {
+                    let holder = uuid::Uuid::now_v7().to_string();
+                    match self.lease_dead_letter(message, &holder).await {
+                        Ok(DeadLetterClaim::Won(copy)) => {
+                            return Verdict::DeadLetter {
+                                reason,
+                                copy,
+                                holder,
+                            };
+                        }
+                        Ok(DeadLetterClaim::Copied) => {
+                            return Verdict::Ack(MessageOutcome::Duplicate);
+                        }
+                        // Another instance is publishing it (or the store
+                        // is away): wait, and find the copy stored — or
+                        // its lease lapsed.
+                        Ok(DeadLetterClaim::Busy) | Err(()) => {
+                            dead = Some(reason);
+                            self.settings.retry_delay
+                        }
                     }
-                    // Another instance is publishing it (or the store is
-                    // away): wait, and find the copy stored — or its lease
-                    // lapsed.
-                    Ok(DeadLetterClaim::Busy) | Err(()) => self.settings.retry_delay,
-                },
+                }
                 verdict => return verdict,
             };
             if stop.is_cancelled() || waited >= MAX_IN_PROCESS_WAIT {
@@ -532,7 +559,7 @@ impl Deliverer {
     /// stored: a redelivery (its ack was lost) is then acknowledged without
     /// a second copy. Best effort: without it a redelivery makes a second
     /// copy, never a lost message.
-    pub async fn dead_lettered(&self, message: &Message) {
+    async fn dead_lettered(&self, message: &Message) {
         let Some(key) = self.dead_letter_row(message) else {
             return;
         };
@@ -547,12 +574,12 @@ impl Deliverer {
         }
     }
 
-    /// Gives back `message`'s copy lease: the broker refused its copy
-    /// `copy`, so the next try (on any instance) need not wait for the
-    /// lease to lapse. Not after a copy that may have been stored (a lost
-    /// confirm): that lease lapses, and the copy is made again under the
-    /// same id.
-    pub async fn dead_letter_refused(&self, message: &Message, copy: &str) {
+    /// Gives back `message`'s copy lease: the broker refused the copy
+    /// `holder` was publishing, so the next try (on any instance) need not
+    /// wait for the lease to lapse. Not after a copy that may have been
+    /// stored (a lost confirm): that lease lapses, and the copy is made
+    /// again under the same id.
+    async fn dead_letter_refused(&self, message: &Message, holder: &str) {
         let Some(key) = self.dead_letter_row(message) else {
             return;
         };
@@ -560,23 +587,96 @@ impl Deliverer {
             .engine
             .store()
             .sql()
-            .release_dead_letter(&self.settings.name, &key, copy)
+            .release_dead_letter(&self.settings.name, &key, holder)
             .await;
     }
 
-    /// Takes `message`'s copy lease: the copy's id when this instance is
-    /// to publish it. A message nothing names alone (no key, no id) and a
-    /// rejection the broker routes (`dlx`) need no lease.
-    async fn lease_dead_letter(&self, message: &Message) -> Result<DeadLetterClaim, ()> {
-        let offered = uuid::Uuid::now_v7().to_string();
+    /// Makes `message`'s dead-letter copy with `publish` (until its broker
+    /// confirms or refuses it) as the copy lease's `holder`, then records
+    /// it for every instance; the caller acknowledges the original after.
+    /// A refusal gives the lease back; a copy that may have landed (a lost
+    /// confirm) keeps it until it lapses.
+    pub async fn copy_dead_letter<F>(
+        &self,
+        message: &Message,
+        holder: &str,
+        publish: F,
+    ) -> Result<(), String>
+    where
+        F: std::future::Future<Output = Result<(), CopyFailure>>,
+    {
+        match self.while_copying(message, holder, publish).await {
+            Ok(()) => {
+                // Recorded before the ack: if the ack is lost, the
+                // redelivery is acknowledged without a second copy, on any
+                // instance.
+                self.dead_lettered(message).await;
+                Ok(())
+            }
+            Err(CopyFailure::Refused(e)) => {
+                self.dead_letter_refused(message, holder).await;
+                Err(e)
+            }
+            Err(CopyFailure::Unknown(e)) => Err(e),
+        }
+    }
+
+    /// Runs `publish` while keeping `holder`'s copy lease on `message`, so
+    /// no other instance takes it over from a live, slow publisher. A
+    /// publish is never cut short here: given up, it could still land
+    /// after the lease passed on. The connection's end (or a stop, which
+    /// closes it) ends it.
+    async fn while_copying<F: std::future::Future>(
+        &self,
+        message: &Message,
+        holder: &str,
+        publish: F,
+    ) -> F::Output {
+        let row = self
+            .dead_letter_row(message)
+            .filter(|_| self.settings.source.copies_dead_letters());
+        let Some(row) = row else {
+            return publish.await;
+        };
+        let lease = self.copy_lease();
+        let mut renew =
+            tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
+        tokio::pin!(publish);
+        loop {
+            tokio::select! {
+                done = &mut publish => return done,
+                _ = renew.tick() => {
+                    let sql = self.engine.store().sql();
+                    if !matches!(sql.renew_dead_letter(&self.settings.name, &row, holder, lease).await, Ok(true)) {
+                        tracing::warn!(consumer = %self.settings.name, key = %key_ref(&row), layer = "consumer", "the dead-letter copy's lease could not be renewed while its broker has not confirmed it; another instance may make the copy again, under the same copy id");
+                    }
+                }
+            }
+        }
+    }
+
+    /// How long a copy lease runs before it lapses: a renewal must fit in
+    /// it whatever the store's timeout.
+    fn copy_lease(&self) -> Duration {
+        DEAD_LETTER_LEASE.max(self.engine.store().sql().timeout() * 4)
+    }
+
+    /// Takes `message`'s copy lease as `holder`: the copy's id when this
+    /// instance is to publish it. A message nothing names alone (no key,
+    /// no id) and a rejection the broker routes (`dlx`) need no lease.
+    async fn lease_dead_letter(
+        &self,
+        message: &Message,
+        holder: &str,
+    ) -> Result<DeadLetterClaim, ()> {
         let row = match self.dead_letter_row(message) {
             Some(row) if self.settings.source.copies_dead_letters() => row,
-            _ => return Ok(DeadLetterClaim::Won(offered)),
+            _ => return Ok(DeadLetterClaim::Won(holder.to_owned())),
         };
         self.engine
             .store()
             .sql()
-            .claim_dead_letter(&self.settings.name, &row, &offered, DEAD_LETTER_LEASE)
+            .claim_dead_letter(&self.settings.name, &row, holder, self.copy_lease())
             .await
             .map_err(|_| ())
     }

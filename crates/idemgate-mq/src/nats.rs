@@ -18,15 +18,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures_util::StreamExt;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{
-    DEAD_LETTER_PUBLISH_LIMIT, DEAD_LETTER_TIMED_OUT, Deliverer, Message, Verdict, keep_connected,
-    redact,
-};
+use super::{CopyFailure, Deliverer, Message, Verdict, keep_connected, redact};
 
 /// The shortest ack wait: the server delivers an unacknowledged message
 /// again after it (a holder may still run, and its claim answers the copy).
@@ -203,20 +201,19 @@ async fn handle(
     let done: Result<(), Failure> = match &verdict {
         Verdict::Ack(_) => message.double_ack().await,
         Verdict::Retry(delay) | Verdict::Wait(delay) => nak(*delay).await,
-        Verdict::DeadLetter { reason, copy } => {
-            let published = tokio::time::timeout(
-                DEAD_LETTER_PUBLISH_LIMIT,
-                dead_letter(d, js, dead_letters, &message, reason, copy),
-            );
-            match published
-                .await
-                .unwrap_or_else(|_| Err(DEAD_LETTER_TIMED_OUT.into()))
-            {
-                Ok(()) => Ok(()),
+        Verdict::DeadLetter {
+            reason,
+            copy,
+            holder,
+        } => {
+            let name = &d.settings().name;
+            let publish = dead_letter(js, dead_letters, &message, name, reason, copy);
+            match d.copy_dead_letter(&view, holder, publish).await {
+                Ok(()) => message.double_ack().await,
                 Err(e) => {
                     // Not stored: back after the delay, failure count kept.
                     let _ = nak(d.settings().retry_delay).await;
-                    Err(e)
+                    Err(e.into())
                 }
             }
         }
@@ -224,14 +221,16 @@ async fn handle(
     d.settled(&view, &verdict, done.map_err(|e| e.to_string()));
 }
 
+/// Publishes a copy to the dead-letter subject and waits for its stream's
+/// ack; the deliverer records it and the caller acknowledges the original.
 async fn dead_letter(
-    d: &Deliverer,
     js: &jetstream::Context,
     subject: &str,
     message: &jetstream::Message,
+    consumer: &str,
     reason: &str,
     copy: &str,
-) -> Result<(), Failure> {
+) -> Result<(), CopyFailure> {
     // The original's headers, minus JetStream's own (`Nats-Expected-*`,
     // `Nats-TTL`, `Nats-Rollup` … would refuse, expire or purge the copy).
     let mut headers = async_nats::HeaderMap::new();
@@ -244,36 +243,32 @@ async fn dead_letter(
         }
     }
     // JetStream's own de-duplication must not swallow the copy.
-    // Named by the original's place in its stream: a copy published again
-    // (its ack was lost, the redelivery dead-letters once more) is dropped
-    // by JetStream's own de-duplication window.
+    // Named by the original's place in its stream (or, unknown, by the
+    // copy's id): a copy published again (its ack was lost, the redelivery
+    // dead-letters once more) is dropped by JetStream's own de-duplication
+    // window.
     let id = match message.info() {
         Ok(info) => format!("dlq-{}-{}", info.stream, info.stream_sequence),
-        Err(_) => format!("dlq-{}", uuid::Uuid::now_v7()),
+        Err(_) => format!("dlq-{copy}"),
     };
     headers.insert("Nats-Msg-Id", id);
     headers.insert("Idemgate-Reason", sanitize(reason));
-    headers.insert("Idemgate-Consumer", d.settings().name.to_string());
+    headers.insert("Idemgate-Consumer", consumer);
     headers.insert("Idemgate-Copy", copy);
     headers.insert("Idemgate-Subject", message.subject.to_string());
     if let Some(id) = message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
         headers.insert("Idemgate-Msg-Id", id.as_str());
     }
-    let stored = async {
-        js.publish_with_headers(subject.to_owned(), headers, message.payload.clone())
-            .await?
-            .await
-    };
-    if let Err(e) = stored.await {
-        // Published again under the same `Nats-Msg-Id`, a copy that did
-        // land is dropped by JetStream's de-duplication: the lease can go.
-        d.dead_letter_refused(&to_message(message), copy).await;
-        return Err(e.into());
-    }
-    // Recorded before the ack (JetStream's de-duplication also drops a
-    // second copy within its window; the record holds past it).
-    d.dead_lettered(&to_message(message)).await;
-    message.double_ack().await
+    let sent = js
+        .publish_with_headers(subject.to_owned(), headers, message.payload.clone())
+        .await
+        .map_err(|e| CopyFailure::Unknown(e.to_string()))?;
+    // Only "no stream captures the subject" says the copy is not stored;
+    // a timeout or a lost connection may hide one that is.
+    sent.await.map(|_| ()).map_err(|e| match e.kind() {
+        PublishErrorKind::StreamNotFound => CopyFailure::Refused(e.to_string()),
+        _ => CopyFailure::Unknown(e.to_string()),
+    })
 }
 
 /// A header value holds no line breaks.

@@ -41,10 +41,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{
-    DEAD_LETTER_PUBLISH_LIMIT, DEAD_LETTER_TIMED_OUT, Deliverer, Message, StreamSource, Verdict,
-    keep_connected, redact,
-};
+use super::{CopyFailure, Deliverer, Message, StreamSource, Verdict, keep_connected, redact};
 
 /// How long one `XREADGROUP` blocks for new entries.
 const READ_BLOCK: Duration = Duration::from_millis(1000);
@@ -390,14 +387,17 @@ async fn handle(
                     continue;
                 }
             }
-            Verdict::DeadLetter { reason, copy } => {
-                let published = tokio::time::timeout(
-                    DEAD_LETTER_PUBLISH_LIMIT,
-                    dead_letter(d, &mut conn, source, &entry, &message, reason, copy),
-                );
-                published
-                    .await
-                    .unwrap_or_else(|_| Err(DEAD_LETTER_TIMED_OUT.into()))
+            Verdict::DeadLetter {
+                reason,
+                copy,
+                holder,
+            } => {
+                let name = &d.settings().name;
+                let publish = dead_letter(conn.clone(), source, &entry, name, reason, copy);
+                match d.copy_dead_letter(&message, holder, publish).await {
+                    Ok(()) => xack(&mut conn, source, &entry.id).await,
+                    Err(e) => Err(e),
+                }
             }
         };
         d.settled(&message, &verdict, done);
@@ -423,17 +423,16 @@ async fn xack(
     Ok(())
 }
 
-/// Adds the dead letter to the dead-letter stream, records it, then
-/// acknowledges the original.
+/// Adds the dead letter to the dead-letter stream; the deliverer records
+/// it and the caller acknowledges the original.
 async fn dead_letter(
-    d: &Deliverer,
-    conn: &mut MultiplexedConnection,
+    mut conn: MultiplexedConnection,
     source: &StreamSource,
     entry: &StreamId,
-    message: &Message,
+    consumer: &str,
     reason: &str,
     copy: &str,
-) -> Result<(), String> {
+) -> Result<(), CopyFailure> {
     let mut add = redis::cmd("XADD");
     add.arg(&source.dead_letter).arg("*");
     // A copy of a copy keeps one set of Idemgate's fields: the new one.
@@ -447,22 +446,19 @@ async fn dead_letter(
         .arg("idemgate-reason")
         .arg(reason)
         .arg("idemgate-consumer")
-        .arg(d.settings().name.as_ref())
+        .arg(consumer)
         .arg("idemgate-id")
         .arg(&entry.id);
-    let added: Result<String, _> = add.query_async(conn).await;
-    if let Err(e) = added {
-        // Redis answered with an error: nothing was added, and the lease
-        // goes back. Lost on the way, it may have been: the lease lapses.
+    let added: Result<String, _> = add.query_async(&mut conn).await;
+    added.map(|_| ()).map_err(|e| {
+        // Redis answered with an error: nothing was added. Lost on the
+        // way, it may have been.
         if e.kind() != redis::ErrorKind::Io && !e.is_timeout() && !e.is_connection_dropped() {
-            d.dead_letter_refused(message, copy).await;
+            CopyFailure::Refused(e.to_string())
+        } else {
+            CopyFailure::Unknown(e.to_string())
         }
-        return Err(e.to_string());
-    }
-    // Recorded before the ack: a claim after a lost XACK adds no second
-    // copy, on any instance.
-    d.dead_lettered(message).await;
-    xack(conn, source, &entry.id).await
+    })
 }
 
 /// The entry's fields by name, as bytes.

@@ -617,20 +617,22 @@ impl SqlStore {
     /// Takes the lease to publish a consumed message's dead-letter copy
     /// for `lease`, so that one instance publishes it while any other that
     /// decided the same end waits: [`DeadLetterClaim::Won`] with the copy's
-    /// id — `offered` the first time, the row's own after that, so a copy
+    /// id — `holder` the first time, the row's own after that, so a copy
     /// made again after a holder died carries its predecessor's id.
+    /// `holder` (fresh for every claim) names this holder for renewing and
+    /// releasing, which a successor under the same copy id does not share.
     pub async fn claim_dead_letter(
         &self,
         route: &str,
         key: &str,
-        offered: &str,
+        holder: &str,
         lease: Duration,
     ) -> Result<DeadLetterClaim, StoreError> {
         let statement = self.sql().claim_dead_letter.as_str();
-        let ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        let ms = millis(lease);
         let won: Option<String> = self
             .bounded("delivery", async {
-                with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).bind(offered).bind(ms)
+                with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).bind(holder).bind(ms)
                     .fetch_optional(pool).await
                     .and_then(|row| row.map(|r| r.try_get(0)).transpose()))
             })
@@ -645,17 +647,37 @@ impl SqlStore {
         })
     }
 
-    /// Gives back the copy lease [`Self::claim_dead_letter`] won, when the
-    /// copy was refused: the next try need not wait for it to lapse.
+    /// Extends `holder`'s copy lease by `lease` from now, while its broker
+    /// has not confirmed the copy; whether it still held it.
+    pub async fn renew_dead_letter(
+        &self,
+        route: &str,
+        key: &str,
+        holder: &str,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let statement = self.sql().renew_dead_letter.as_str();
+        let ms = millis(lease);
+        self.bounded("delivery", async {
+            with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).bind(holder).bind(ms)
+                .execute(pool).await.map(|r| r.rows_affected() == 1))
+        })
+        .await
+    }
+
+    /// Gives back the copy lease `holder` won with
+    /// [`Self::claim_dead_letter`], when the copy was refused: the next try
+    /// need not wait for it to lapse. A lease that passed to another holder
+    /// is left alone.
     pub async fn release_dead_letter(
         &self,
         route: &str,
         key: &str,
-        copy: &str,
+        holder: &str,
     ) -> Result<(), StoreError> {
         let statement = self.sql().release_dead_letter.as_str();
         self.bounded("delivery", async {
-            with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).bind(copy).execute(pool).await.map(|_| ()))
+            with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).bind(holder).execute(pool).await.map(|_| ()))
         })
         .await
     }

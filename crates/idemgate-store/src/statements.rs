@@ -47,12 +47,16 @@ pub(super) struct Statements {
     /// `$1 route, $2 key`: its dead-letter copy is stored (the copy lease
     /// ends with it).
     pub mark_dead_lettered: String,
-    /// `$1 route, $2 key, $3 a new copy id, $4 lease ms`: takes the copy
-    /// lease of a message not yet dead-lettered whose lease is free or
-    /// lapsed → the copy id (the row's, once one was given); no row when
-    /// the copy is stored or another instance holds the lease.
+    /// `$1 route, $2 key, $3 holder (a fresh id per claim, and the copy id
+    /// of a first one), $4 lease ms`: takes the copy lease of a message not
+    /// yet dead-lettered whose lease is free or lapsed → the copy id (the
+    /// row's, once one was given); no row when the copy is stored or
+    /// another instance holds the lease.
     pub claim_dead_letter: String,
-    /// `$1 route, $2 key, $3 copy id`: gives the copy lease back (its copy
+    /// `$1 route, $2 key, $3 holder, $4 lease ms`: extends the holder's
+    /// lease (its publish is not confirmed yet) → whether it still held it.
+    pub renew_dead_letter: String,
+    /// `$1 route, $2 key, $3 holder`: gives the copy lease back (its copy
     /// was refused).
     pub release_dead_letter: String,
     /// Forgets delivery rows untouched since `$1` (ms).
@@ -168,6 +172,11 @@ const NOT_HELD: &str = "NOT (state IN ('in_flight', 'uncertain') AND lease_until
 /// A release puts no hold on a record and is never refused by it.
 const NOT_FORGOTTEN: &str = "(lease_until > {now} OR expires_at + {tomb} > {now})";
 
+/// A consumed message's dead-letter copy is being made: its lease is live
+/// (a NULL lease is none).
+const COPYING: &str = "(idempotency_deliveries.copying_until IS NOT NULL \
+     AND idempotency_deliveries.copying_until > {now})";
+
 impl Statements {
     fn with_clock(now: &str, epoch: &str) -> Statements {
         // For statements that must agree on one instant: the time is `$2`.
@@ -181,6 +190,7 @@ impl Statements {
             text.replace("{sweepable}", SWEEPABLE)
                 .replace("{not_held}", NOT_HELD)
                 .replace("{not_forgotten}", NOT_FORGOTTEN)
+                .replace("{copying}", COPYING)
                 .replace("{columns}", COLUMNS)
                 .replace("{now}", now)
                 .replace("{epoch}", epoch)
@@ -261,8 +271,10 @@ impl Statements {
                  ON CONFLICT (route, idem_key) DO UPDATE SET \
                    failures = CASE WHEN $3 THEN 1 ELSE idempotency_deliveries.failures + 1 END, \
                    dead_letter = CASE WHEN $3 THEN FALSE ELSE idempotency_deliveries.dead_letter END, \
-                   copy_id = CASE WHEN $3 THEN NULL ELSE idempotency_deliveries.copy_id END, \
-                   copying_until = CASE WHEN $3 THEN NULL ELSE idempotency_deliveries.copying_until END, \
+                   copy_id = CASE WHEN $3 AND NOT {copying} THEN NULL \
+                     ELSE idempotency_deliveries.copy_id END, \
+                   copying_until = CASE WHEN $3 AND NOT {copying} THEN NULL \
+                     ELSE idempotency_deliveries.copying_until END, \
                    updated_at = {now} \
                  RETURNING failures",
             ),
@@ -274,18 +286,21 @@ impl Statements {
             ),
             claim_dead_letter: fill(
                 "INSERT INTO idempotency_deliveries \
-                   (route, idem_key, failures, dead_letter, updated_at, copy_id, copying_until) \
-                 VALUES ($1, $2, 0, FALSE, {now}, $3, {now} + $4) \
+                   (route, idem_key, failures, dead_letter, updated_at, copy_id, copy_holder, \
+                    copying_until) \
+                 VALUES ($1, $2, 0, FALSE, {now}, $3, $3, {now} + $4) \
                  ON CONFLICT (route, idem_key) DO UPDATE SET \
                    copy_id = COALESCE(idempotency_deliveries.copy_id, $3), \
-                   copying_until = {now} + $4, updated_at = {now} \
-                 WHERE NOT idempotency_deliveries.dead_letter \
-                   AND (idempotency_deliveries.copying_until IS NULL \
-                        OR idempotency_deliveries.copying_until <= {now}) \
+                   copy_holder = $3, copying_until = {now} + $4, updated_at = {now} \
+                 WHERE NOT idempotency_deliveries.dead_letter AND NOT {copying} \
                  RETURNING copy_id",
             ),
+            renew_dead_letter: fill(
+                "UPDATE idempotency_deliveries SET copying_until = {now} + $4 \
+                 WHERE route = $1 AND idem_key = $2 AND copy_holder = $3 AND NOT dead_letter",
+            ),
             release_dead_letter: "UPDATE idempotency_deliveries SET copying_until = NULL \
-                 WHERE route = $1 AND idem_key = $2 AND copy_id = $3 AND NOT dead_letter"
+                 WHERE route = $1 AND idem_key = $2 AND copy_holder = $3 AND NOT dead_letter"
                 .to_owned(),
             trim_deliveries: "DELETE FROM idempotency_deliveries WHERE updated_at < $1".to_owned(),
             select_by_route_key: fill(
