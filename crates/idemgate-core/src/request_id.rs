@@ -13,17 +13,24 @@ use http::{HeaderMap, HeaderValue};
 pub const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
 /// The request's id: the client's, or a new UUID v7 set on `headers`.
+/// The value returned is the answer's copy, marked never to be indexed
+/// by HPACK (RFC 7541 §6.2.3): a value that differs on every answer would
+/// only churn an HTTP/2 connection's header table, evicting the values
+/// that do repeat (`server`, `content-type`), at a cost on every answer.
 pub fn ensure(headers: &mut HeaderMap) -> HeaderValue {
-    if let Some(id) = headers.get(X_REQUEST_ID) {
+    let mut answer = match headers.get(X_REQUEST_ID) {
         // A copy, not a clone: the client's value is a slice of its
-        // connection's read buffer, and the answer carrying it back may
-        // go into an HTTP/2 connection's HPACK table, which would keep
-        // that whole buffer alive (`proxy::headers::detach_values`).
-        return HeaderValue::from_bytes(id.as_bytes()).unwrap_or_else(|_| id.clone());
-    }
-    let id = new_id();
-    headers.insert(X_REQUEST_ID, id.clone());
-    id
+        // connection's read buffer, and the answer carrying it back would
+        // keep that whole buffer alive (`proxy::headers::detach_values`).
+        Some(id) => HeaderValue::from_bytes(id.as_bytes()).unwrap_or_else(|_| id.clone()),
+        None => {
+            let id = new_id();
+            headers.insert(X_REQUEST_ID, id.clone());
+            id
+        }
+    };
+    answer.set_sensitive(true);
+    answer
 }
 
 thread_local! {
@@ -83,6 +90,18 @@ mod tests {
             buffer.is_unique(),
             "the echo keeps nothing of the client's buffer"
         );
+    }
+
+    #[test]
+    fn the_answers_id_is_never_indexed_and_the_forwarded_one_is_plain() {
+        for given in [None, Some("abc")] {
+            let mut headers = HeaderMap::new();
+            if let Some(id) = given {
+                headers.insert(X_REQUEST_ID, HeaderValue::from_static(id));
+            }
+            assert!(ensure(&mut headers).is_sensitive());
+            assert!(!headers[X_REQUEST_ID].is_sensitive());
+        }
     }
 
     #[test]
