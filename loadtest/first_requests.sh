@@ -4,7 +4,10 @@
 # Redis, one gateway (Redis + Postgres) in front of nginx, and `loadgen`
 # sending a new key every request. Prints, per first request: Postgres
 # statements by kind (calls, rows, mean ms), commits, WAL bytes and Redis
-# commands; and the rate. Writes loadtest/results/first-requests.md.
+# commands; and the rate. Then, on the same Postgres and cores, the
+# yardstick — pgbench inserting one row per transaction (16 clients, as
+# run.sh) — with its CPU per insert by party. Writes
+# loadtest/results/first-requests.md.
 #   loadtest/first_requests.sh [SECONDS] [CONCURRENCY]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -91,9 +94,12 @@ ticks() { # pids… → utime + stime
   done
   echo "$t"
 }
+# Backends that exited (pgbench's, at its end) count in the postmaster's
+# reaped children's time.
+reaped() { awk '{print $16 + $17}' "/proc/$1/stat"; }
 cpu_all() {
   echo "gateway $(ticks "$GW")"
-  echo "postgres $(ticks "$PGMAIN" $(pgrep -P "$PGMAIN"))"
+  echo "postgres $(( $(ticks "$PGMAIN" $(pgrep -P "$PGMAIN")) + $(reaped "$PGMAIN") ))"
   echo "redis $(ticks $(pgrep -x redis-server))"
   local ngx; ngx=$(cat "$WORK/up/nginx.pid")
   echo "nginx $(ticks "$ngx" $(pgrep -P "$ngx"))"
@@ -150,3 +156,30 @@ RPS=$(echo "$RUN" | python3 -c "import json,sys; d=json.load(sys.stdin); print(f
     | sed -E 's/cmdstat_([^:]+):calls=([0-9]+),usec=[0-9]+,usec_per_call=([0-9.]+).*/\1 \2 \3/' \
     | awk -v n="$N" '{ if ($2 / n >= 0.001) printf "| %s | %.3f | %s |\n", $1, $2 / n, $3 }'
 } | tee "$OUT"
+
+# The yardstick on the same Postgres: one row per transaction, fsync'd.
+kill "${pids[0]}" 2>/dev/null || true
+psql -q "$PG" -c "CREATE TABLE raw (k text PRIMARY KEY, v bigint)"
+cat > "$WORK/pgbench.sql" <<'SQL'
+\set k random(1, 1000000000)
+INSERT INTO raw (k, v) VALUES (:client_id || '-' || :k, 1) ON CONFLICT DO NOTHING;
+SQL
+PB0=$(cpu_all)
+BENCH=$("$PGBIN/pgbench" -n -h 127.0.0.1 -p "$PORT" -U postgres -c 16 -j 2 -T "$SECS" -f "$WORK/pgbench.sql" postgres 2>/dev/null)
+PB1=$(cpu_all)
+TPS=$(echo "$BENCH" | awk '/^tps = / {printf "%.0f", $3}')
+TX=$(( TPS * SECS ))
+{
+  echo
+  echo "## The yardstick: pgbench, one row per transaction, same Postgres and cores"
+  echo
+  echo "\`pgbench -c 16 -j 2 -T $SECS\`: $TPS inserts/s. CPU per insert:"
+  echo
+  echo "| party | CPU µs / insert |"
+  echo "|---|---|"
+  paste <(echo "$PB0") <(echo "$PB1") | awk -v n="$TX" -v hz="$(getconf CLK_TCK)" '
+    { d[$1] = $4 - $2 }
+    END { printf "| postgres | %.0f |\n", d["postgres"] * 1e6 / hz / n
+      printf "| pgbench and the rest | %.0f |\n", (d["machine"] - d["postgres"] - d["gateway"] - d["redis"] - d["nginx"]) * 1e6 / hz / n
+      printf "| the machine (2 cores) | %.0f |\n", d["machine"] * 1e6 / hz / n }'
+} | tee -a "$OUT"

@@ -9,9 +9,16 @@
 # is the same for both (the same four socket calls per request).
 #
 #   loadtest/profile.sh [REQUESTS]     # default 20000; about 2 minutes
+#   PROTO=h2c loadtest/profile.sh      # the same over h2c (prior knowledge)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-20000}
+PROTO=${PROTO:-http1}
+case $PROTO in
+  http1) OHA_PROTO=(); CURL_PROTO=(); NGINX_LISTEN=18382 ;;
+  h2c) OHA_PROTO=(--http2); CURL_PROTO=(--http2-prior-knowledge); NGINX_LISTEN="18382 http2" ;;
+  *) echo "PROTO is http1 or h2c" >&2; exit 2 ;;
+esac
 WORK=$(mktemp -d /tmp/idemgate-profile.XXXX)
 command -v oha >/dev/null || cargo install oha --locked
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light || apt-get install -y -qq nginx; }
@@ -45,7 +52,7 @@ error_log $WORK/px/error.log warn;
 events { worker_connections 4096; }
 http { access_log off; keepalive_requests 1000000; client_body_temp_path $WORK/px; proxy_temp_path $WORK/px;
   upstream backend { server 127.0.0.1:18381; keepalive 256; }
-  server { listen 127.0.0.1:18382; location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; } } }
+  server { listen 127.0.0.1:$NGINX_LISTEN; location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; } } }
 EOF
 cat > "$WORK/idemgate.toml" <<EOF
 [server]
@@ -68,10 +75,10 @@ measure() { # name port command…
   local name=$1 port=$2; shift 2
   IDEMGATE_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$WORK/$name.out" "$@" >"$WORK/$name.log" 2>&1 &
   local vp=$!; pids+=($vp)
-  for _ in $(seq 1 100); do curl -s -o /dev/null "http://127.0.0.1:$port/pass/x" && break; sleep 0.3; done
-  oha -n 2000 -c 10 --no-tui "http://127.0.0.1:$port/pass/x" >/dev/null 2>&1   # warm-up
+  for _ in $(seq 1 100); do curl -s "${CURL_PROTO[@]}" -o /dev/null "http://127.0.0.1:$port/pass/x" && break; sleep 0.3; done
+  oha -n 2000 -c 10 --no-tui "${OHA_PROTO[@]}" "http://127.0.0.1:$port/pass/x" >/dev/null 2>&1   # warm-up
   callgrind_control -z "$vp" >/dev/null 2>&1
-  oha -n "$N" -c 10 --no-tui "http://127.0.0.1:$port/pass/x" >/dev/null 2>&1
+  oha -n "$N" -c 10 --no-tui "${OHA_PROTO[@]}" "http://127.0.0.1:$port/pass/x" >/dev/null 2>&1
   callgrind_control -d "$vp" >/dev/null 2>&1   # → $name.out.1
   sleep 1; kill "$vp"; wait "$vp" 2>/dev/null || true
 }
@@ -82,7 +89,7 @@ measure idemgate 18380 $BIN/idemgate serve --config "$WORK/idemgate.toml"
 measure nginx 18382 nginx -p "$WORK/px" -c "$WORK/px/nginx.conf"
 IG=$(per_request "$WORK/idemgate.out.1")
 NG=$(per_request "$WORK/nginx.out.1")
-echo "user-space instructions per pass-through request ($N requests, one worker):"
+echo "user-space instructions per pass-through request ($PROTO, $N requests, one worker):"
 echo "  idemgate $IG"
 echo "  nginx    $NG"
 python3 -c "print(f'  ratio    {$IG/$NG:.2f}x nginx')"

@@ -21,6 +21,15 @@ SCHEMA=     # set once the gateways' Postgres schema exists
 # --- tools ---------------------------------------------------------------
 command -v oha >/dev/null || cargo install oha --locked
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light || apt-get install -y -qq nginx; }
+# The peer, idempotent-proxy-server (Redis only), is optional: its rows are
+# measured when the binary is on PATH or in IDEMGATE_PEER, and skipped
+# otherwise. IDEMGATE_PEER_INSTALL=1 installs it (`cargo install
+# idempotent-proxy-server --locked`, about 4 minutes on 2 cores).
+if [ "${IDEMGATE_PEER_INSTALL:-0}" = 1 ] && ! command -v idempotent-proxy-server >/dev/null; then
+  cargo install idempotent-proxy-server --locked
+fi
+PEER=${IDEMGATE_PEER:-$(command -v idempotent-proxy-server || true)}
+[ -n "$PEER" ] || echo "peer: idempotent-proxy-server not installed; its rows are skipped (IDEMGATE_PEER_INSTALL=1 installs it)"
 scripts/services.sh >/dev/null
 # IDEMGATE_BIN_DIR: measure another build (e.g. the previous commit's,
 # built in a worktree) with the same harness.
@@ -147,7 +156,28 @@ text = open(path).read().replace("[store]", section + "[store]", 1)
 open(path, "w").write(text)
 PY
 IDEMGATE_LOG=warn setsid $BIN/idemgate serve --config "$WORK/idemgate-tls.toml" & GW_TLS=$!; pids+=($GW_TLS)
-for port in 18080 18180 18081 18082 18091; do
+# The peer on :18280, in front of the same nginx and demo upstream, on the
+# same Redis. It reads its settings from a .env file in its working
+# directory; a path /URL_<NAME> is forwarded to the URL in URL_<NAME>.
+# REQUEST_TIMEOUT (30 s here, 10 s by default) is its upstream timeout,
+# how long a duplicate polls for the first request's answer, and how long
+# it keeps that answer: the replay key is stored again before each of its
+# rounds.
+PEER_PORTS=
+if [ -n "$PEER" ]; then
+  mkdir -p "$WORK/peer"
+  cat > "$WORK/peer/.env" <<EOF
+SERVER_ADDR=127.0.0.1:18280
+REDIS_URL=redis://127.0.0.1:6379/
+REQUEST_TIMEOUT=30000
+LOG_LEVEL=warn
+URL_UP=http://127.0.0.1:18081/key/peer
+URL_STORM=http://127.0.0.1:18091/actions/peerstorm
+EOF
+  (cd "$WORK/peer" && exec setsid "$PEER" >/dev/null 2>"$WORK/peer/stderr") & pids+=($!)
+  PEER_PORTS=18280
+fi
+for port in 18080 18180 18081 18082 18091 $PEER_PORTS; do
   for _ in $(seq 1 100); do curl -s -o /dev/null "http://127.0.0.1:$port/" && break; sleep 0.1; done
 done
 
@@ -242,9 +272,15 @@ done
 echo "== replay (one key, completed)"
 curl -s -o /dev/null -X POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' http://127.0.0.1:18080/key/r
 curl -s -o /dev/null -X POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' http://127.0.0.1:18180/key/r
+PEER_KEY=peer-replay-$(date +%s%N)
+REPLAY_TARGETS="pass sqlite redis-pg"
+[ -n "$PEER" ] && REPLAY_TARGETS="$REPLAY_TARGETS peer"
 for r in $(seq 1 "$ROUNDS"); do
-  for t in $(in_order "$r" pass sqlite redis-pg); do
+  for t in $(in_order "$r" $REPLAY_TARGETS); do
     case $t in
+      peer)
+        curl -s -o /dev/null -X POST -H "Idempotency-Key: $PEER_KEY" -d '{"a":1}' http://127.0.0.1:18280/URL_UP
+        oha_run replay peer-redis http://127.0.0.1:18280/URL_UP -m POST -H "Idempotency-Key: $PEER_KEY" -d '{"a":1}' ;;
       pass) oha_run replay idemgate-pass http://127.0.0.1:18080/pass/x ;;
       sqlite) oha_run replay idemgate-sqlite http://127.0.0.1:18080/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}' ;;
       redis-pg) oha_run replay idemgate-redis-pg http://127.0.0.1:18180/key/r -m POST -H 'Idempotency-Key: replay-key' -d '{"a":1}'
@@ -259,9 +295,12 @@ cat > "$WORK/pgbench.sql" <<SQL
 INSERT INTO $SCHEMA.raw (k, v) VALUES (:client_id || '-' || :k, 1) ON CONFLICT DO NOTHING;
 SQL
 psql -q "$PG_URL" -c "CREATE TABLE $SCHEMA.raw (k text PRIMARY KEY, v bigint)"
+FIRST_TARGETS="pgbench redis-pg sqlite"
+[ -n "$PEER" ] && FIRST_TARGETS="$FIRST_TARGETS peer"
 for r in $(seq 1 "$ROUNDS"); do
-  for t in $(in_order "$r" pgbench redis-pg sqlite); do
+  for t in $(in_order "$r" $FIRST_TARGETS); do
     case $t in
+      peer) gen_run first-requests peer-redis unique http://127.0.0.1:18280/URL_UP "$CONC" "$SECS" ;;
       pgbench)
         TPS=$(pgbench -n -h 127.0.0.1 -U postgres -c 16 -j 2 -T "$SECS" -f "$WORK/pgbench.sql" test 2>/dev/null | awk '/^tps = / {print $3}')
         echo "{\"scenario\":\"first-requests\",\"target\":\"pgbench-insert\",\"rps\":$TPS,\"p50_ms\":0,\"p99_ms\":0}" >> "$RES" ;;
@@ -296,15 +335,29 @@ for t in redis-pg sqlite; do
   WAIT_EXEC+=("$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])")")
 done
 EXEC_PG="$EXEC_PG/${WAIT_EXEC[0]}"; EXEC_SQLITE="$EXEC_SQLITE/${WAIT_EXEC[1]}"
+
+# The peer beside Idemgate: 50 concurrent requests on one fresh key, at the
+# demo upstream (which executes every call it gets); Idemgate's duplicates
+# wait for the first one's answer, as the peer's do.
+executions() { curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])"; }
+PEER_STORM=()
+for t in idemgate-redis-pg $([ -n "$PEER" ] && echo peer-redis); do
+  curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
+  case $t in
+    idemgate-redis-pg) gen_run storm50 $t storm http://127.0.0.1:18180/actions/wait 50 ;;
+    peer-redis) gen_run storm50 $t storm http://127.0.0.1:18280/URL_STORM 50 ;;
+  esac
+  PEER_STORM+=("$t=$(executions)")
+done
 RSS_AFTER=$(rss_kib $GW_PG); HWM=$(hwm_kib $GW_PG)
 
 # --- the table ---------------------------------------------------------------
 mkdir -p loadtest/results
 python3 - "$RES" "$EXEC_PG" "$EXEC_SQLITE" "$RSS_BEFORE" "$RSS_AFTER" "$HWM" "$SECS" "$ROUNDS" "$CONC" \
   "$TLS_RSS_IDLE" "$TLS_RSS_LOADED" "$TLS_HWM" "$TLS_CONNS" "$TLS_RSS_RATED" "$TLS_HWM_RATED" "$TLS_UPSTREAM" \
-  > loadtest/results/latest.md <<'PY'
+  "${PEER_STORM[*]}" > loadtest/results/latest.md <<'PY'
 import json, sys, statistics, platform, datetime
-res, exec_pg, exec_sqlite, rss0, rss1, hwm, secs, rounds, conc, trss0, trss1, thwm, tconns, trated, thwmrated, tup = sys.argv[1:]
+res, exec_pg, exec_sqlite, rss0, rss1, hwm, secs, rounds, conc, trss0, trss1, thwm, tconns, trated, thwmrated, tup, storm50 = sys.argv[1:]
 rows = [json.loads(l) for l in open(res)]
 def agg(scenario, target):
     rs = [r for r in rows if r['scenario'] == scenario and r['target'] == target]
@@ -327,8 +380,17 @@ table("Pass-through over h2c (`oha --http2`, prior knowledge)", "h2c", ["nginx",
 table("Pass-through over TLS, HTTP/1.1", "tls-http1", ["nginx", "idemgate"], "nginx")
 table("Pass-through over TLS, h2 (ALPN)", "tls-h2", ["nginx", "idemgate"], "nginx")
 table("Pass-through, a new connection per request (`oha --disable-keepalive`)", "new-connections", ["nginx", "idemgate"], "nginx")
-table("Replay (one key, already completed)", "replay", ["idemgate-pass", "idemgate-sqlite", "idemgate-redis-pg", "idemgate-redis-pg-h2c"], "idemgate-pass")
-table("First requests (a new key every request; claim durable before forwarding)", "first-requests", ["pgbench-insert", "idemgate-redis-pg", "idemgate-sqlite"], "pgbench-insert")
+table("Replay (one key, already completed)", "replay", ["idemgate-pass", "idemgate-sqlite", "idemgate-redis-pg", "idemgate-redis-pg-h2c", "peer-redis"], "idemgate-pass")
+table("First requests (a new key every request; claim durable before forwarding)", "first-requests", ["pgbench-insert", "idemgate-redis-pg", "idemgate-sqlite", "peer-redis"], "pgbench-insert")
+table("Beside the peer: replay (one key)", "replay", ["idemgate-redis-pg", "peer-redis"], "peer-redis")
+table("Beside the peer: a fresh key per request (the peer keeps its claims in Redis only)", "first-requests", ["idemgate-redis-pg", "peer-redis"], "peer-redis")
+p("## Beside the peer: 50 concurrent requests, one fresh key (upstream = demo-upstream)\n\n| target | executions | statuses | p99 ms |\n|---|---|---|---|")
+for entry in storm50.split():
+    t, count = entry.split("=")
+    rs = [x for x in rows if x['scenario'] == 'storm50' and x['target'] == t]
+    if rs:
+        p(f"| {t} | {count} | {rs[-1]['statuses']} | {rs[-1]['p99_ms']:.1f} |")
+p("")
 table("Token flow (fetch a token, then use it; req/s = flows/s)", "token-flow", ["idemgate-sqlite", "idemgate-redis-pg"])
 p("## Duplicate storm (1000 concurrent requests, one key, upstream = demo-upstream)\n\n| store | on_concurrent | executions | statuses | p99 ms | one request alone, p99 ms |\n|---|---|---|---|---|---|")
 for t, e in (("idemgate-redis-pg", exec_pg), ("idemgate-sqlite", exec_sqlite)):
