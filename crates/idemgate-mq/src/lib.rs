@@ -353,9 +353,16 @@ impl Deliverer {
                                 holder,
                             };
                         }
-                        Ok(DeadLetterClaim::Copied) => {
-                            return Verdict::Ack(MessageOutcome::Duplicate);
-                        }
+                        // Its copy is stored — acknowledged once no attempt
+                        // of its key is open (a re-publish of it at the
+                        // upstream elsewhere), as a redelivery would be.
+                        Ok(DeadLetterClaim::Copied) => match self.key_of(message) {
+                            Ok(key) if self.attempt_open(key).await != Ok(false) => {
+                                dead = Some(reason);
+                                self.settings.retry_delay
+                            }
+                            _ => return Verdict::Ack(MessageOutcome::Duplicate),
+                        },
                         // Another instance is publishing it (or the store
                         // is away): wait, and find the copy stored — or
                         // its lease lapsed.
@@ -624,8 +631,8 @@ impl Deliverer {
     /// Runs `publish` while keeping `holder`'s copy lease on `message`, so
     /// no other instance takes it over from a live, slow publisher. A
     /// publish is never cut short here: given up, it could still land
-    /// after the lease passed on. The connection's end (or a stop, which
-    /// closes it) ends it.
+    /// after the lease passed on. The connection's end ends it, and so does
+    /// a stop once its grace is over (the lease then lapses).
     async fn while_copying<F: std::future::Future>(
         &self,
         message: &Message,

@@ -98,9 +98,9 @@ const SQLITE: [Source; 6] = [
         sql: include_str!("../migrations/sqlite/0005_deliveries.sql"),
     },
     Source {
-        version: 7,
+        version: 6,
         description: "dead_letter_lease",
-        sql: include_str!("../migrations/sqlite/0007_dead_letter_lease.sql"),
+        sql: include_str!("../migrations/sqlite/0006_dead_letter_lease.sql"),
     },
 ];
 

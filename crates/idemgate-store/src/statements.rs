@@ -297,7 +297,8 @@ impl Statements {
             ),
             renew_dead_letter: fill(
                 "UPDATE idempotency_deliveries SET copying_until = {now} + $4 \
-                 WHERE route = $1 AND idem_key = $2 AND copy_holder = $3 AND NOT dead_letter",
+                 WHERE route = $1 AND idem_key = $2 AND copy_holder = $3 AND NOT dead_letter \
+                   AND copying_until IS NOT NULL",
             ),
             release_dead_letter: "UPDATE idempotency_deliveries SET copying_until = NULL \
                  WHERE route = $1 AND idem_key = $2 AND copy_holder = $3 AND NOT dead_letter"
