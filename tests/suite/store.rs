@@ -12,7 +12,7 @@ use bytes::Bytes;
 use idemgate_core::metrics::{FallbackLayer, Metrics};
 use idemgate_store::memory::MemoryLayer;
 use idemgate_store::redis::RedisLayer;
-use idemgate_store::sql::{SqlSettings, SqlStore};
+use idemgate_store::sql::{DeadLetterClaim, SqlSettings, SqlStore};
 use idemgate_store::{
     Claim, FastLayer, RecordKey, RecordState, Store, StoreSettings, StoredResponse, sweep,
 };
@@ -233,6 +233,14 @@ async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str)
     }
 }
 
+/// Who may publish `key`'s dead-letter copy, asked of `store` as `holder`.
+async fn copy_lease(store: &SqlStore, key: &str, holder: &str, lease: Duration) -> DeadLetterClaim {
+    store
+        .claim_dead_letter("orders", key, holder, lease)
+        .await
+        .unwrap()
+}
+
 /// A consumed message's dead-letter copy has one publisher: of a hundred
 /// instances deciding its end at once (two stores, pools of their own),
 /// one takes the copy lease; the rest find it busy, then the copy stored.
@@ -240,7 +248,6 @@ async fn independent_stores_racing_have_one_winner(backend: Backend, test: &str)
 /// publishes under the same copy id; a live one renews it; a refused copy
 /// gives the lease back, and only its own holder can.
 async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
-    use idemgate_store::sql::DeadLetterClaim;
     let Some((a, dir)) = sql_store(backend, test, Duration::ZERO, LONG).await else {
         return;
     };
@@ -277,32 +284,24 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
     a.mark_dead_lettered("orders", "o-1").await.unwrap();
     for store in [&a, &b] {
         assert_eq!(
-            store
-                .claim_dead_letter("orders", "o-1", "late", LONG)
-                .await
-                .unwrap(),
+            copy_lease(store, "o-1", "late", LONG).await,
             DeadLetterClaim::Copied
         );
     }
     // A publisher that died: its lease lapses, and the copy is made again
     // under its id, by a holder of its own.
     let short = Duration::from_millis(300);
-    let first = a
-        .claim_dead_letter("orders", "o-2", "first", short)
-        .await
-        .unwrap();
-    assert_eq!(first, DeadLetterClaim::Won("first".into()));
     assert_eq!(
-        b.claim_dead_letter("orders", "o-2", "second", short)
-            .await
-            .unwrap(),
+        copy_lease(&a, "o-2", "first", short).await,
+        DeadLetterClaim::Won("first".into())
+    );
+    assert_eq!(
+        copy_lease(&b, "o-2", "second", short).await,
         DeadLetterClaim::Busy
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(
-        b.claim_dead_letter("orders", "o-2", "second", LONG)
-            .await
-            .unwrap(),
+        copy_lease(&b, "o-2", "second", LONG).await,
         DeadLetterClaim::Won("first".into())
     );
     // The late first holder can neither renew nor give back its
@@ -316,9 +315,7 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
         .await
         .unwrap();
     assert_eq!(
-        a.claim_dead_letter("orders", "o-2", "third", LONG)
-            .await
-            .unwrap(),
+        copy_lease(&a, "o-2", "third", LONG).await,
         DeadLetterClaim::Busy
     );
     // A fresh publish of the key while a copy is being made leaves that
@@ -327,9 +324,7 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
         .await
         .unwrap();
     assert_eq!(
-        a.claim_dead_letter("orders", "o-2", "third", LONG)
-            .await
-            .unwrap(),
+        copy_lease(&a, "o-2", "third", LONG).await,
         DeadLetterClaim::Busy
     );
     // Refused by the broker: given back by its holder.
@@ -337,9 +332,7 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
         .await
         .unwrap();
     assert_eq!(
-        a.claim_dead_letter("orders", "o-2", "third", LONG)
-            .await
-            .unwrap(),
+        copy_lease(&a, "o-2", "third", LONG).await,
         DeadLetterClaim::Won("first".into())
     );
     // Once no copy is being made, a fresh publish of the key starts over:
@@ -351,17 +344,13 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
         .await
         .unwrap();
     assert_eq!(
-        b.claim_dead_letter("orders", "o-2", "fresh", LONG)
-            .await
-            .unwrap(),
+        copy_lease(&b, "o-2", "fresh", LONG).await,
         DeadLetterClaim::Won("fresh".into())
     );
     // A slow publisher renews its lease: nobody takes it over while it
     // keeps renewing.
     assert_eq!(
-        a.claim_dead_letter("orders", "o-3", "slow", short)
-            .await
-            .unwrap(),
+        copy_lease(&a, "o-3", "slow", short).await,
         DeadLetterClaim::Won("slow".into())
     );
     for _ in 0..3 {
@@ -372,9 +361,7 @@ async fn a_dead_letter_copy_has_one_publisher(backend: Backend, test: &str) {
                 .unwrap()
         );
         assert_eq!(
-            b.claim_dead_letter("orders", "o-3", "eager", short)
-                .await
-                .unwrap(),
+            copy_lease(&b, "o-3", "eager", short).await,
             DeadLetterClaim::Busy
         );
     }
