@@ -14,6 +14,21 @@ use super::super::statements::millis;
 use super::super::{RecordKey, StoreError, StoredResponse};
 use super::{Pool, SqlStore, left};
 
+/// The single-claim statement (`claim_insert`) with one claim's
+/// parameters bound, on either database.
+macro_rules! bind_claim {
+    ($statement:expr, $c:expr, $lease:expr, $retention:expr) => {
+        sqlx::query($statement)
+            .bind(&$c.key.scope)
+            .bind(&$c.key.route)
+            .bind(&$c.key.key)
+            .bind(&$c.fingerprint)
+            .bind($lease)
+            .bind(&$c.request_id)
+            .bind($retention)
+    };
+}
+
 impl SqlStore {
     /// The fresh-key half of a claim, for many keys at once: one statement
     /// (Postgres: `idempotency_claim` over arrays) or one SQLite
@@ -89,16 +104,7 @@ impl SqlStore {
                     .bounded(
                         "claim",
                         self.on_batch_connection(pool, held, async |conn| {
-                            let query = || {
-                                sqlx::query(statement)
-                                    .bind(&c.key.scope)
-                                    .bind(&c.key.route)
-                                    .bind(&c.key.key)
-                                    .bind(&c.fingerprint)
-                                    .bind(lease)
-                                    .bind(&c.request_id)
-                                    .bind(retention)
-                            };
+                            let query = || bind_claim!(statement, c, lease, retention);
                             let row = match query().fetch_optional(&mut *conn).await {
                                 Err(e) if super::partitions::no_partition(&e) => {
                                     self.extend_on(conn, c.retention).await?;
@@ -124,14 +130,7 @@ impl SqlStore {
                     let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
                     let mut won = Vec::with_capacity(batch.len());
                     for c in batch {
-                        let row = sqlx::query(statement)
-                            .bind(&c.key.scope)
-                            .bind(&c.key.route)
-                            .bind(&c.key.key)
-                            .bind(&c.fingerprint)
-                            .bind(lease)
-                            .bind(&c.request_id)
-                            .bind(retention)
+                        let row = bind_claim!(statement, c, lease, retention)
                             .fetch_optional(&mut *tx)
                             .await?;
                         won.push(
