@@ -315,13 +315,15 @@ gen_run token-flow idemgate-sqlite token http://127.0.0.1:18080 /tok/order "$CON
 gen_run token-flow idemgate-redis-pg token http://127.0.0.1:18180 /tok/order "$CONC" "$SECS"
 
 echo "== duplicate storm (1000 concurrent, one key) and memory"
+# The demo upstream's count of executions (it executes every call it gets).
+executions() { curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])"; }
 RSS_BEFORE=$(rss_kib $GW_PG)
 curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
 gen_run storm idemgate-redis-pg storm http://127.0.0.1:18180/actions/storm 1000
-EXEC_PG=$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])")
+EXEC_PG=$(executions)
 curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
 gen_run storm idemgate-sqlite storm http://127.0.0.1:18080/actions/storm 1000
-EXEC_SQLITE=$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])")
+EXEC_SQLITE=$(executions)
 # The same storm with on_concurrent = "wait": every duplicate waits for the
 # first request's outcome. Beside it, one request alone (its latency is
 # the yardstick: waiters should take at most 2x it plus 10 ms).
@@ -332,14 +334,13 @@ for t in redis-pg sqlite; do
   gen_run single idemgate-$t storm http://127.0.0.1:$port/actions/wait-single 1
   curl -s -X POST http://127.0.0.1:18091/reset >/dev/null
   gen_run storm-wait idemgate-$t storm http://127.0.0.1:$port/actions/wait 1000
-  WAIT_EXEC+=("$(curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])")")
+  WAIT_EXEC+=("$(executions)")
 done
 EXEC_PG="$EXEC_PG/${WAIT_EXEC[0]}"; EXEC_SQLITE="$EXEC_SQLITE/${WAIT_EXEC[1]}"
 
 # The peer beside Idemgate: 50 concurrent requests on one fresh key, at the
 # demo upstream (which executes every call it gets); Idemgate's duplicates
 # wait for the first one's answer, as the peer's do.
-executions() { curl -s http://127.0.0.1:18091/stats | python3 -c "import json,sys; print(json.load(sys.stdin)['total_executions'])"; }
 PEER_STORM=()
 for t in idemgate-redis-pg $([ -n "$PEER" ] && echo peer-redis); do
   curl -s -X POST http://127.0.0.1:18091/reset >/dev/null

@@ -409,11 +409,15 @@ async fn two_gateways_sweeping_partitions_execute_each_key_once() {
         );
         tokio::time::sleep(Duration::from_millis(125)).await;
     }
-    let stats = upstream.state.stats();
     for round in 0..rounds {
         let name = format!("k{round}");
-        let executed: u64 = stats.executions.get(&name).map_or(0, |k| k.values().sum());
-        assert_eq!(executed, 1, "{name}: {:?}", stats.executions.get(&name));
+        let executed = support::executions_at(&upstream, &name);
+        assert_eq!(
+            executed,
+            1,
+            "{name}: {:?}",
+            upstream.state.stats().executions.get(&name)
+        );
     }
     assert_eq!(keys_with_two_rows(&pool).await, 0);
     let now: Vec<String> = sqlx::query_scalar("SELECT name FROM idempotency_partitions")

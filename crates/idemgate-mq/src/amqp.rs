@@ -117,7 +117,7 @@ async fn session(
     // process (store away, a copy elsewhere) stops waiting; its holder, if
     // it claimed, still sees the claim through.
     let session = stop.child_token();
-    let (acks, acker) = Acks::start(channel.clone());
+    let acks = Acks::start(channel.clone());
     let mut running = JoinSet::new();
     let ended = loop {
         tokio::select! {
@@ -155,7 +155,6 @@ async fn session(
             tracing::warn!(consumer = %settings.name, left = running.len(), layer = "consumer", "shutdown grace over; unacknowledged messages are delivered again");
         }
         acks.close();
-        acker.abort();
         let _ = connection.close(200, "idemgate stopping".into()).await;
         return Ok(());
     }
@@ -164,7 +163,6 @@ async fn session(
     session.cancel();
     running.detach_all();
     acks.close();
-    acker.abort();
     let _ = connection.close(200, "reconnecting".into()).await;
     ended
 }

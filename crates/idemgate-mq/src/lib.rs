@@ -639,10 +639,8 @@ impl Deliverer {
         holder: &str,
         publish: F,
     ) -> F::Output {
-        let row = self
-            .dead_letter_row(message)
-            .filter(|_| self.settings.source.copies_dead_letters());
-        let Some(row) = row else {
+        // Only copies are published (a `dlx` rejection has no lease).
+        let Some(row) = self.dead_letter_row(message) else {
             return publish.await;
         };
         let lease = self.copy_lease();
@@ -693,9 +691,9 @@ impl Deliverer {
     /// names this message alone, so a redelivery after a lost ack makes a
     /// second copy rather than risk another message's loss.
     fn dead_letter_row(&self, message: &Message) -> Option<String> {
-        match (self.key_of(message), keyless_mark(message)) {
-            (Ok(key), _) => Some(delivery_row(key, message)),
-            (Err(_), mark) => mark,
+        match self.key_of(message) {
+            Ok(key) => Some(delivery_row(key, message)),
+            Err(_) => keyless_mark(message),
         }
     }
 

@@ -179,7 +179,8 @@ const COPYING: &str = "(idempotency_deliveries.copying_until IS NOT NULL \
 
 impl Statements {
     fn with_clock(now: &str, epoch: &str) -> Statements {
-        // For statements that must agree on one instant: the time is `$2`.
+        // For statements that must agree on one instant: the time is `$1`,
+        // the tombstone `$2`.
         let fill_at = |text: &str| {
             text.replace("{sweepable}", SWEEPABLE)
                 .replace("{tomb}", "$2")
@@ -189,7 +190,6 @@ impl Statements {
         let fill = |text: &str| {
             text.replace("{sweepable}", SWEEPABLE)
                 .replace("{not_held}", NOT_HELD)
-                .replace("{not_forgotten}", NOT_FORGOTTEN)
                 .replace("{copying}", COPYING)
                 .replace("{columns}", COLUMNS)
                 .replace("{now}", now)
@@ -214,17 +214,8 @@ impl Statements {
                          {now} + $7, FALSE) \
                  ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING epoch, expires_at",
             ),
-            claim_insert_many: fill(
-                "INSERT INTO idempotency_records \
-                 (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, \
-                  created_at, updated_at, expires_at, body_kept) \
-                 SELECT v.scope, v.route, v.idem_key, v.fingerprint, 'in_flight', {epoch}, \
-                        {now} + $5::int8, v.request_id, {now}, {now}, {now} + $7::int8, FALSE \
-                 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $6::text[]) \
-                      AS v(scope, route, idem_key, fingerprint, request_id) \
-                 ON CONFLICT (route, idem_key, scope) DO NOTHING \
-                 RETURNING scope, route, idem_key, epoch, expires_at",
-            ),
+            // Postgres only, through its claim function (`POSTGRES`).
+            claim_insert_many: String::new(),
             // Forgotten (retention and tombstone over) and released records
             // take any fingerprint (the key is free again); within
             // retention, an uncertain record whose hold is over and a

@@ -47,19 +47,23 @@ pub(super) struct Acks {
     channel: Channel,
     tags: Mutex<Tags>,
     wake: Notify,
+    /// The task that sends the runs; [`Acks::close`] ends it.
+    sender: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Acks {
-    /// The acks of `channel`, and the task that sends them (it ends with
-    /// the returned handle's abort, or when the channel fails).
-    pub(super) fn start(channel: Channel) -> (Arc<Acks>, JoinHandle<()>) {
+    /// The acks of `channel`, with the task that sends them (until
+    /// [`Acks::close`]).
+    pub(super) fn start(channel: Channel) -> Arc<Acks> {
         let acks = Arc::new(Acks {
             channel,
             tags: Mutex::new(Tags::default()),
             wake: Notify::new(),
+            sender: Mutex::new(None),
         });
         let task = tokio::spawn(acks.clone().send_runs());
-        (acks, task)
+        *acks.sender.lock().expect("acks") = Some(task);
+        acks
     }
 
     /// Registers a delivery as it arrives, before its handler runs.
@@ -86,6 +90,9 @@ impl Acks {
     /// (a delivery still running when its channel went), fail — the broker
     /// delivers those messages again.
     pub(super) fn close(&self) {
+        if let Some(task) = self.sender.lock().expect("acks").take() {
+            task.abort();
+        }
         let waiting = {
             let mut tags = self.tags.lock().expect("acks");
             tags.closed = true;
