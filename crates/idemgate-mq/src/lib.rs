@@ -564,20 +564,31 @@ impl Deliverer {
 
     /// Says, for every instance, that `message`'s dead-letter copy is
     /// stored: a redelivery (its ack was lost) is then acknowledged without
-    /// a second copy. Best effort: without it a redelivery makes a second
-    /// copy, never a lost message.
+    /// a second copy. A store that fails is tried again for half a copy
+    /// lease — the lease, renewed at most a third of it ago, still keeps
+    /// other instances from copying meanwhile. Past that, best effort:
+    /// without the record a redelivery makes a second copy (under the same
+    /// id), never a lost message.
     async fn dead_lettered(&self, message: &Message) {
         let Some(key) = self.dead_letter_row(message) else {
             return;
         };
-        if let Err(e) = self
-            .engine
-            .store()
-            .sql()
-            .mark_dead_lettered(&self.settings.name, &key)
-            .await
-        {
-            tracing::warn!(consumer = %self.settings.name, key = %key_ref(&key), error = %e, layer = "consumer", "the dead-letter copy is stored but could not be recorded; a redelivery would make a second copy");
+        let sql = self.engine.store().sql();
+        let until = tokio::time::Instant::now() + self.copy_lease() / 2;
+        let pause = self
+            .settings
+            .retry_delay
+            .clamp(Duration::from_millis(100), Duration::from_secs(1));
+        loop {
+            let e = match sql.mark_dead_lettered(&self.settings.name, &key).await {
+                Ok(()) => return,
+                Err(e) => e,
+            };
+            if tokio::time::Instant::now() + pause >= until {
+                tracing::warn!(consumer = %self.settings.name, key = %key_ref(&key), error = %e, layer = "consumer", "the dead-letter copy is stored but could not be recorded; a redelivery would make a second copy");
+                return;
+            }
+            tokio::time::sleep(pause).await;
         }
     }
 
