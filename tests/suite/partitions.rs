@@ -558,3 +558,51 @@ async fn a_long_retention_gets_wide_partitions_not_many() {
     let most = i64::from(idemgate_store::sql::MAX_LIVE_PARTITIONS) + 3;
     assert!(made <= most, "{made} partitions for a 90-day retention");
 }
+
+/// Two deployments sharing one database in schemas of their own: while
+/// one is making or retiring its partitions (its locks held, here in an
+/// open transaction), the other still makes and retires its own. The
+/// locks are advisory, kept per database; their keys name the schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_schemas_partition_work_does_not_hold_up_this_one() {
+    let Some(url) = services::postgres("another_schemas_partition_work").await else {
+        return;
+    };
+    let Some(other_url) = services::postgres("another_schemas_partition_work").await else {
+        return;
+    };
+    let retention = Duration::from_millis(100);
+    let ours = sql(&url, retention).await;
+    ours.migrate().await.unwrap();
+    let theirs = sql(&other_url, retention).await;
+    theirs.migrate().await.unwrap();
+    let short = store(ours.clone(), Duration::from_millis(500), retention);
+    into_the_next_partition().await;
+    let k = key("done");
+    let Claim::Won { epoch, .. } = short.claim(&k, "fp", "r").await.unwrap() else {
+        panic!("not won");
+    };
+    assert!(
+        short
+            .complete(&k, epoch, "fp", &response(), 0)
+            .await
+            .unwrap()
+    );
+    into_the_next_partition().await;
+
+    // The other deployment holds both of its locks.
+    let other = catalog(&other_url).await;
+    let mut busy = other.begin().await.unwrap();
+    sqlx::query("SELECT idempotency_retire('none')")
+        .execute(&mut *busy)
+        .await
+        .unwrap();
+    sqlx::query("SELECT idempotency_extend(1000, 0, '0')")
+        .execute(&mut *busy)
+        .await
+        .unwrap();
+    assert_eq!(sweep::sweep_once(&ours, false).await.unwrap(), 1);
+    assert!(short.get(&k).await.unwrap().is_none());
+    assert!(ours.extend_partitions().await.is_ok());
+    busy.rollback().await.unwrap();
+}

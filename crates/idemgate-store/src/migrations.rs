@@ -32,7 +32,7 @@ struct Source {
 }
 
 #[cfg(feature = "postgres")]
-const POSTGRES: [Source; 7] = [
+const POSTGRES: [Source; 8] = [
     Source {
         version: 1,
         description: "records",
@@ -67,6 +67,11 @@ const POSTGRES: [Source; 7] = [
         version: 7,
         description: "dead_letter_lease",
         sql: include_str!("../migrations/postgres/0007_dead_letter_lease.sql"),
+    },
+    Source {
+        version: 8,
+        description: "schema_locks",
+        sql: include_str!("../migrations/postgres/0008_schema_locks.sql"),
     },
 ];
 
