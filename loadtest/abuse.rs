@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! abuse_bench legit     URL RATE SECONDS          # fresh-key POSTs at RATE/s on keep-alive connections
+//!                                                 # (LEGIT_TRACE=FILE: each request's start and latency, ms)
 //! abuse_bench hangup    ADDR COUNT DELAY_MS       # POST with a fresh key, then hang up; COUNT of them
 //! abuse_bench resets    ADDR COUNT DELAY_MS       # one h2c connection: HEADERS, RST_STREAM 5 ms later
 //! abuse_bench big       URL COUNT BYTES            # fresh keys whose answers are BYTES long
@@ -33,7 +34,8 @@ async fn legit(url: &str, rate: u64, seconds: u64) {
     let latencies = Arc::new(std::sync::Mutex::new(Vec::new()));
     let errors = Arc::new(AtomicU64::new(0));
     let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
-    let until = Instant::now() + Duration::from_secs(seconds);
+    let zero = Instant::now();
+    let until = zero + Duration::from_secs(seconds);
     let mut tasks = Vec::new();
     let mut i = 0u64;
     while Instant::now() < until {
@@ -63,7 +65,8 @@ async fn legit(url: &str, rate: u64, seconds: u64) {
                 _ => false,
             };
             if ok {
-                latencies.lock().unwrap().push(started.elapsed());
+                let at = started.duration_since(zero);
+                latencies.lock().unwrap().push((started.elapsed(), at));
             } else {
                 errors.fetch_add(1, Ordering::Relaxed);
             }
@@ -72,7 +75,16 @@ async fn legit(url: &str, rate: u64, seconds: u64) {
     for task in tasks {
         let _ = task.await;
     }
-    let mut latencies = latencies.lock().unwrap().clone();
+    let latencies = latencies.lock().unwrap().clone();
+    if let Ok(path) = std::env::var("LEGIT_TRACE") {
+        // When the slow ones started: the abuse's phases show.
+        let lines: String = latencies
+            .iter()
+            .map(|(took, at)| format!("{:.1} {:.2}\n", ms(*at), ms(*took)))
+            .collect();
+        std::fs::write(path, lines).expect("LEGIT_TRACE is writable");
+    }
+    let mut latencies: Vec<Duration> = latencies.into_iter().map(|(took, _)| took).collect();
     latencies.sort();
     let at = |p: f64| {
         latencies
@@ -90,6 +102,10 @@ async fn legit(url: &str, rate: u64, seconds: u64) {
             "max_ms": at(1.0),
         })
     );
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }
 
 async fn hangup(addr: &str, count: u64, delay_ms: u64) {
@@ -193,7 +209,8 @@ async fn big(url: &str, count: u64, bytes: u64) {
 }
 
 async fn slowloris(addr: &str, conns: u64, seconds: u64, h2: bool) {
-    let until = Instant::now() + Duration::from_secs(seconds);
+    let zero = Instant::now();
+    let until = zero + Duration::from_secs(seconds);
     let opened = Arc::new(AtomicU64::new(0));
     let tasks: Vec<_> = (0..conns)
         .map(|_| {

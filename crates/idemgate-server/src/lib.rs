@@ -14,7 +14,9 @@
 //! flood. HTTP/2 connections are capped in streams, header bytes and the
 //! resets a client may make (the rapid-reset attack, CVE-2023-44487, is
 //! answered by hyper's `h2` with `GOAWAY` once a client resets more streams
-//! than it may). Shutdown stops accepting first, then lets every in-flight
+//! than it may). The loop accepts one connection per scheduler turn, so a
+//! burst of new connections cannot queue ahead of the requests of those
+//! already open. Shutdown stops accepting first, then lets every in-flight
 //! request finish (hyper's graceful shutdown finishes the current exchange
 //! and closes keep-alive connections), bounded by a grace period. With
 //! several workers, [`balance`] decides which worker serves each new
@@ -350,6 +352,15 @@ pub async fn serve<F, S, E>(
             drop(claims);
             drop(counted);
         }));
+        // One connection per turn (nginx's `multi_accept off`): a burst of
+        // new connections, each ready at once, would otherwise be accepted
+        // a whole coop budget at a time (128) and queue that many tasks
+        // ahead of the connections already served, whose requests then
+        // wait for all of them (a legitimate client's p99 tripled beside a
+        // hang-up storm, loadtest/README.md). Yielding puts this loop
+        // behind the work already queued and behind the event loop's next
+        // look at the sockets.
+        tokio::task::yield_now().await;
     }
     // Stop accepting: close the listening socket before draining.
     drop(listener);
@@ -464,3 +475,6 @@ pub async fn termination() {
     #[cfg(not(unix))]
     let _ = interrupt.await;
 }
+
+#[cfg(test)]
+mod tests;

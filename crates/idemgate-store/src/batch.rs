@@ -43,6 +43,27 @@ pub const WRITERS: usize = 1;
 
 type Reply<R> = oneshot::Sender<Result<R, StoreError>>;
 
+/// How a batcher's writes are shaped.
+#[derive(Debug, Clone, Copy)]
+pub struct Lane {
+    /// Jobs written together at most.
+    pub max_batch: usize,
+    /// After each batch the lane's writer rests this many times as long as
+    /// the batch took (0: not at all), so the lane takes at most
+    /// 1 / (1 + `rest_per_write`) of the store's write time and work in
+    /// other lanes finds the store free in between.
+    pub rest_per_write: u32,
+}
+
+impl Default for Lane {
+    fn default() -> Self {
+        Lane {
+            max_batch: MAX_BATCH,
+            rest_per_write: 0,
+        }
+    }
+}
+
 /// One queued job: what to write, whom to answer, and until when the
 /// answer is still wanted.
 struct Job<J, R> {
@@ -78,14 +99,14 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
         F: Future<Output = (Vec<J>, Result<Vec<R>, StoreError>)> + Send + 'static,
         O: Fn(J, R) + Send + Sync + 'static,
     {
-        Self::spawn_with_max(op, timeout, MAX_BATCH, write, orphaned)
+        Self::spawn_lane(op, timeout, Lane::default(), write, orphaned)
     }
 
-    /// [`Self::spawn`], at most `max_batch` jobs per statement.
-    pub fn spawn_with_max<W, F, O>(
+    /// [`Self::spawn`], shaped by `lane`.
+    pub fn spawn_lane<W, F, O>(
         op: &'static str,
         timeout: Duration,
-        max_batch: usize,
+        lane: Lane,
         write: W,
         orphaned: O,
     ) -> Self
@@ -94,7 +115,8 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
         F: Future<Output = (Vec<J>, Result<Vec<R>, StoreError>)> + Send + 'static,
         O: Fn(J, R) + Send + Sync + 'static,
     {
-        let max_batch = max_batch.clamp(1, MAX_BATCH);
+        let max_batch = lane.max_batch.clamp(1, MAX_BATCH);
+        let rest = lane.rest_per_write;
         let (queue, mut jobs) = mpsc::channel::<Job<J, R>>(QUEUE_CAPACITY);
         let writers = Arc::new(Semaphore::new(WRITERS));
         let write = Arc::new(write);
@@ -121,7 +143,13 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
                 }
                 let (write, orphaned) = (write.clone(), orphaned.clone());
                 tokio::spawn(async move {
+                    let started = Instant::now();
                     run_batch(&*write, &*orphaned, batch, op).await;
+                    // Its callers are answered; the writer rests before
+                    // the lane's next batch.
+                    if rest > 0 {
+                        tokio::time::sleep(started.elapsed() * rest).await;
+                    }
                     drop(writer);
                 });
             }
@@ -283,6 +311,45 @@ mod tests {
             }
         }
         assert!(batches.load(Ordering::SeqCst) > 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_resting_lane_answers_at_once_and_leaves_the_store_free_as_long_as_it_wrote() {
+        let started = Instant::now();
+        let writes = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = writes.clone();
+        let lane = Lane {
+            max_batch: 1,
+            rest_per_write: 1,
+        };
+        let batcher = Batcher::spawn_lane(
+            "test",
+            Duration::from_secs(2),
+            lane,
+            move |jobs: Vec<u32>| {
+                seen.lock().unwrap().push(started.elapsed());
+                async move {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    let n = jobs.len();
+                    (jobs, Ok(vec![(); n]))
+                }
+            },
+            |_, _| {},
+        );
+        let answered = futures_util::future::join_all((0..3u32).map(|i| {
+            let b = batcher.clone();
+            async move {
+                b.submit(i).await.unwrap();
+                started.elapsed()
+            }
+        }))
+        .await;
+        let ms = Duration::from_millis;
+        // One job per write, each write 10 ms, a 10 ms rest after each.
+        assert_eq!(*writes.lock().unwrap(), [ms(0), ms(20), ms(40)]);
+        // Each caller is answered when its own write is done, not after
+        // the rest that follows it.
+        assert_eq!(answered, [ms(10), ms(30), ms(50)]);
     }
 
     #[tokio::test(start_paused = true)]

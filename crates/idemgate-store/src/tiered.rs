@@ -24,7 +24,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::batch::{Batcher, MAX_BATCH};
+use super::batch::{Batcher, Lane};
 use super::codec::FastEntry;
 use super::fast::FastLayer;
 use super::held::HeldConnection;
@@ -40,17 +40,27 @@ pub const TOKEN_NAMESPACE: &str = "/token";
 /// A completion whose body is larger goes to the large lane.
 const LARGE_BODY: usize = 64 * 1024;
 
+/// The large lane: one answer per write, and after each write a rest as
+/// long as the write took. A megabyte answer holds the store's writer
+/// (SQLite's only one; on Postgres its WAL and CPU) for milliseconds, and
+/// without a rest a flood of them keeps it busy back to back: every claim
+/// and small completion then waits for one, twice per request. With the
+/// rest, large answers get at most half the store's write time, and the
+/// client that sends them waits for its own (`loadtest/README.md` has the
+/// measurements).
+const LARGE_LANE: Lane = Lane {
+    max_batch: 1,
+    rest_per_write: 1,
+};
+
 /// A batch writer of completions, on its own kept connection.
-fn completion_batcher(
-    sql: &SqlStore,
-    max_batch: usize,
-) -> Batcher<Completion, Option<(Duration, bool)>> {
+fn completion_batcher(sql: &SqlStore, lane: Lane) -> Batcher<Completion, Option<(Duration, bool)>> {
     let sql = sql.clone();
     let held = Arc::new(HeldConnection::default());
-    Batcher::spawn_with_max(
+    Batcher::spawn_lane(
         "complete",
         sql.timeout(),
-        max_batch,
+        lane,
         move |batch: Vec<Completion>| {
             let (sql, held) = (sql.clone(), held.clone());
             async move {
@@ -142,11 +152,8 @@ impl Store {
                     },
                 )
             },
-            completions: completion_batcher(&sql, MAX_BATCH),
-            // One at a time: the statement (and, on SQLite, the one
-            // connection) is taken for a single large write, and the
-            // claims and small completions get their turns in between.
-            large_completions: completion_batcher(&sql, 1),
+            completions: completion_batcher(&sql, Lane::default()),
+            large_completions: completion_batcher(&sql, LARGE_LANE),
             sql,
             fast,
             settings,
