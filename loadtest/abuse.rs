@@ -3,7 +3,7 @@
 //! point it at 127.0.0.1: every run is bounded in time or count.
 //!
 //! ```text
-//! abuse_bench legit     URL RATE SECONDS          # fresh-key POSTs at RATE/s on keep-alive connections
+//! abuse_bench legit     URL RATE SECONDS          # fresh-key POSTs at RATE/s on 16 kept connections
 //!                                                 # (LEGIT_TRACE=FILE: each request's start and latency, ms)
 //! abuse_bench hangup    ADDR COUNT DELAY_MS       # POST with a fresh key, then hang up; COUNT of them
 //! abuse_bench resets    ADDR COUNT DELAY_MS       # one h2c connection: HEADERS, RST_STREAM 5 ms later
@@ -28,50 +28,82 @@ fn run_id() -> String {
     uuid::Uuid::now_v7().simple().to_string()
 }
 
+/// Connections the legitimate client opens before it starts and keeps for
+/// the whole run, as a service's HTTP client keeps its pool. A connection
+/// opened in the middle of a connection flood queues in the kernel's
+/// backlog behind the flood, however well the gateway serves those it
+/// has (loadtest/README.md).
+const LEGIT_CONNECTIONS: usize = 16;
+
 async fn legit(url: &str, rate: u64, seconds: u64) {
-    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let uri: http::Uri = url.parse().expect("legit URL");
+    let addr = format!(
+        "{}:{}",
+        uri.host().expect("legit URL host"),
+        uri.port_u16().unwrap_or(80)
+    );
     let run = run_id();
     let latencies = Arc::new(std::sync::Mutex::new(Vec::new()));
     let errors = Arc::new(AtomicU64::new(0));
-    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+    // Each request is a (number, when it was due) on this queue; a free
+    // connection takes the next. Latency counts from when it was due, so
+    // a wait for a free connection is in it.
+    let (due, queue) = tokio::sync::mpsc::unbounded_channel::<(u64, Instant)>();
+    let queue = Arc::new(tokio::sync::Mutex::new(queue));
     let zero = Instant::now();
-    let until = zero + Duration::from_secs(seconds);
     let mut tasks = Vec::new();
+    for _ in 0..LEGIT_CONNECTIONS {
+        let mut sender = connect_http1(&addr).await.expect("legit connection");
+        let (queue, latencies, errors, addr, path, run) = (
+            queue.clone(),
+            latencies.clone(),
+            errors.clone(),
+            addr.clone(),
+            uri.path().to_owned(),
+            run.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let Some((i, started)) = queue.lock().await.recv().await else {
+                    return;
+                };
+                let request = http::Request::post(&path)
+                    .header("host", &addr)
+                    .header("idempotency-key", format!("legit-{run}-{i}"))
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .unwrap();
+                let answer = tokio::time::timeout(Duration::from_secs(10), async {
+                    let response = sender.send_request(request).await?;
+                    let status = response.status();
+                    response.into_body().collect().await?;
+                    Ok::<_, hyper::Error>(status.is_success())
+                })
+                .await;
+                if matches!(answer, Ok(Ok(true))) {
+                    let at = started.duration_since(zero);
+                    latencies.lock().unwrap().push((started.elapsed(), at));
+                } else {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+                if !matches!(answer, Ok(Ok(_))) {
+                    // Closed or stuck: the next request gets a new one.
+                    match connect_http1(&addr).await {
+                        Ok(fresh) => sender = fresh,
+                        Err(_) => return,
+                    }
+                }
+            }
+        }));
+    }
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+    let until = Instant::now() + Duration::from_secs(seconds);
     let mut i = 0u64;
     while Instant::now() < until {
         ticker.tick().await;
         i += 1;
-        let (client, url, latencies, errors) = (
-            client.clone(),
-            url.to_owned(),
-            latencies.clone(),
-            errors.clone(),
-        );
-        let key = format!("legit-{run}-{i}");
-        tasks.push(tokio::spawn(async move {
-            let started = Instant::now();
-            let request = http::Request::post(&url)
-                .header("idempotency-key", key)
-                .body(Full::new(Bytes::from_static(b"{}")))
-                .unwrap();
-            let ok = match tokio::time::timeout(Duration::from_secs(10), client.request(request))
-                .await
-            {
-                Ok(Ok(response)) => {
-                    let status = response.status();
-                    let _ = response.into_body().collect().await;
-                    status.is_success()
-                }
-                _ => false,
-            };
-            if ok {
-                let at = started.duration_since(zero);
-                latencies.lock().unwrap().push((started.elapsed(), at));
-            } else {
-                errors.fetch_add(1, Ordering::Relaxed);
-            }
-        }));
+        let _ = due.send((i, Instant::now()));
     }
+    drop(due);
     for task in tasks {
         let _ = task.await;
     }
@@ -106,6 +138,18 @@ async fn legit(url: &str, rate: u64, seconds: u64) {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+/// One HTTP/1.1 keep-alive connection.
+async fn connect_http1(
+    addr: &str,
+) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, Box<dyn std::error::Error>> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let (sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(connection);
+    Ok(sender)
 }
 
 async fn hangup(addr: &str, count: u64, delay_ms: u64) {

@@ -36,6 +36,10 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   [ "$STORE" = postgres ] && psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
+  # The SQLite file holds every big answer (600 MB a run). KEEP_WORK=1
+  # keeps it, and the logs, for a look.
+  sleep 0.5
+  [ -n "${KEEP_WORK:-}" ] && echo "kept $WORK" >&2 || rm -rf "$WORK"
 }
 trap cleanup EXIT
 
@@ -137,7 +141,7 @@ scenario "big answers (600 × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions
 {
   echo "# Abuse beside a legitimate client ($(date -u +%Y-%m-%d), $(git rev-parse --short HEAD))"
   echo
-  echo "\`STORE=$STORE loadtest/abuse.sh $SECS $RATE\`: one gateway (2 workers, $([ "$STORE" = postgres ] && echo "Postgres + Redis" || echo "SQLite + the in-process fast layer"), \`ulimit -n $NOFILE\`) in front of the demo upstream; a legitimate client sends $RATE fresh-key POSTs a second for $SECS s on keep-alive connections while each abuser runs. Peak in flight = the upstream's most requests at once; RSS (less lazily freed pages) peak / 12 s after the scenario (its residue finished, freed memory decayed), MiB."
+  echo "\`STORE=$STORE loadtest/abuse.sh $SECS $RATE\`: one gateway (2 workers, $([ "$STORE" = postgres ] && echo "Postgres + Redis" || echo "SQLite + the in-process fast layer"), \`ulimit -n $NOFILE\`) in front of the demo upstream; a legitimate client sends $RATE fresh-key POSTs a second for $SECS s on 16 connections kept from before each abuser starts. Peak in flight = the upstream's most requests at once; RSS (less lazily freed pages) peak / 12 s after the scenario (its residue finished, freed memory decayed), MiB."
   echo
   echo "| scenario | peak upstream in flight | peak descriptors | RSS MiB peak / end | legit p50 ms | legit p99 ms | legit errors | machine CPU busy | abuser |"
   echo "|---|---|---|---|---|---|---|---|---|"

@@ -40,17 +40,18 @@ pub const TOKEN_NAMESPACE: &str = "/token";
 /// A completion whose body is larger goes to the large lane.
 const LARGE_BODY: usize = 64 * 1024;
 
-/// The large lane: one answer per write, and after each write a rest as
-/// long as the write took. A megabyte answer holds the store's writer
-/// (SQLite's only one; on Postgres its WAL and CPU) for milliseconds, and
-/// without a rest a flood of them keeps it busy back to back: every claim
-/// and small completion then waits for one, twice per request. With the
-/// rest, large answers get at most half the store's write time, and the
-/// client that sends them waits for its own (`loadtest/README.md` has the
-/// measurements).
+/// The large lane: one answer per write, and after each write a rest three
+/// times as long as the write took. A megabyte answer holds the store's
+/// writer (SQLite's only one; on Postgres its CPU, WAL and the Redis
+/// connection) for milliseconds, and without a rest a flood of them kept
+/// it busy back to back: every claim and small completion waited for one,
+/// twice per request. Resting, large answers get at most a quarter of the
+/// store's write time, a claim meets one in progress a quarter of the
+/// time, and the client that sends them waits for its own
+/// (`loadtest/README.md` has the measurements).
 const LARGE_LANE: Lane = Lane {
     max_batch: 1,
-    rest_per_write: 1,
+    rest_per_write: 3,
 };
 
 /// A batch writer of completions, on its own kept connection.
