@@ -59,7 +59,7 @@ async fn legit(url: &str, rate: u64, seconds: u64) {
             latencies.clone(),
             errors.clone(),
             addr.clone(),
-            uri.path().to_owned(),
+            uri.path_and_query().map_or("/", |p| p.as_str()).to_owned(),
             run.clone(),
         );
         tasks.push(tokio::spawn(async move {
@@ -86,10 +86,16 @@ async fn legit(url: &str, rate: u64, seconds: u64) {
                     errors.fetch_add(1, Ordering::Relaxed);
                 }
                 if !matches!(answer, Ok(Ok(_))) {
-                    // Closed or stuck: the next request gets a new one.
-                    match connect_http1(&addr).await {
-                        Ok(fresh) => sender = fresh,
-                        Err(_) => return,
+                    // Closed or stuck: the next request gets a new one
+                    // (each failed try an error of its own).
+                    loop {
+                        match connect_http1(&addr).await {
+                            Ok(fresh) => break sender = fresh,
+                            Err(_) => {
+                                errors.fetch_add(1, Ordering::Relaxed);
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                            }
+                        }
                     }
                 }
             }
@@ -121,7 +127,7 @@ async fn legit(url: &str, rate: u64, seconds: u64) {
     let at = |p: f64| {
         latencies
             .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
-            .map(|d| (d.as_secs_f64() * 10_000.0).round() / 10.0)
+            .map(|d| (ms(*d) * 10.0).round() / 10.0)
             .unwrap_or(0.0)
     };
     println!(
@@ -143,7 +149,10 @@ fn ms(d: Duration) -> f64 {
 /// One HTTP/1.1 keep-alive connection.
 async fn connect_http1(
     addr: &str,
-) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, Box<dyn std::error::Error>> {
+) -> Result<
+    hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    Box<dyn std::error::Error + Send + Sync>,
+> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
     let (sender, connection) =
@@ -253,8 +262,7 @@ async fn big(url: &str, count: u64, bytes: u64) {
 }
 
 async fn slowloris(addr: &str, conns: u64, seconds: u64, h2: bool) {
-    let zero = Instant::now();
-    let until = zero + Duration::from_secs(seconds);
+    let until = Instant::now() + Duration::from_secs(seconds);
     let opened = Arc::new(AtomicU64::new(0));
     let tasks: Vec<_> = (0..conns)
         .map(|_| {

@@ -38,7 +38,7 @@ cleanup() {
   [ "$STORE" = postgres ] && psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
   # The SQLite file holds every big answer (600 MB a run). KEEP_WORK=1
   # keeps it, and the logs, for a look.
-  sleep 0.5
+  wait 2>/dev/null || true
   [ -n "${KEEP_WORK:-}" ] && echo "kept $WORK" >&2 || rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -139,7 +139,7 @@ scenario "slow-loris h2c (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 
 scenario "big answers (600 × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions/big" 600 1000000
 
 {
-  echo "# Abuse beside a legitimate client ($(date -u +%Y-%m-%d), $(git rev-parse --short HEAD))"
+  echo "# Abuse beside a legitimate client ($(date -u +%Y-%m-%d), $(git describe --always --dirty))"
   echo
   echo "\`STORE=$STORE loadtest/abuse.sh $SECS $RATE\`: one gateway (2 workers, $([ "$STORE" = postgres ] && echo "Postgres + Redis" || echo "SQLite + the in-process fast layer"), \`ulimit -n $NOFILE\`) in front of the demo upstream; a legitimate client sends $RATE fresh-key POSTs a second for $SECS s on 16 connections kept from before each abuser starts. Peak in flight = the upstream's most requests at once; RSS (less lazily freed pages) peak / 12 s after the scenario (its residue finished, freed memory decayed), MiB."
   echo

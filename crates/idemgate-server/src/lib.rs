@@ -231,6 +231,16 @@ pub async fn serve<F, S, E>(
     let http2_on = limits.http2;
     let acceptor = limits.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     loop {
+        // One connection per turn (nginx's `multi_accept off`), whichever
+        // way the last one went (served here, handed over, refused): a
+        // burst of new connections, each ready at once, would otherwise be
+        // accepted a whole coop budget at a time (128) and queue that many
+        // tasks ahead of the connections already served, whose requests
+        // then wait for all of them (a legitimate client's p99 tripled
+        // beside a hang-up storm, loadtest/README.md). Yielding puts this
+        // loop behind the work already queued and behind the event loop's
+        // next look at the sockets.
+        tokio::task::yield_now().await;
         // Take a connection slot before accepting, so a flood waits in the
         // kernel backlog instead of in our memory.
         let slot = tokio::select! {
@@ -352,15 +362,6 @@ pub async fn serve<F, S, E>(
             drop(claims);
             drop(counted);
         }));
-        // One connection per turn (nginx's `multi_accept off`): a burst of
-        // new connections, each ready at once, would otherwise be accepted
-        // a whole coop budget at a time (128) and queue that many tasks
-        // ahead of the connections already served, whose requests then
-        // wait for all of them (a legitimate client's p99 tripled beside a
-        // hang-up storm, loadtest/README.md). Yielding puts this loop
-        // behind the work already queued and behind the event loop's next
-        // look at the sockets.
-        tokio::task::yield_now().await;
     }
     // Stop accepting: close the listening socket before draining.
     drop(listener);

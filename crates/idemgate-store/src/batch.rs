@@ -43,15 +43,20 @@ pub const WRITERS: usize = 1;
 
 type Reply<R> = oneshot::Sender<Result<R, StoreError>>;
 
+/// The longest rest a [`Lane`] takes after one batch, however long the
+/// batch took (a write slowed by a busy store must not idle the lane for
+/// seconds after it).
+pub const MAX_REST: Duration = Duration::from_millis(100);
+
 /// How a batcher's writes are shaped.
 #[derive(Debug, Clone, Copy)]
 pub struct Lane {
     /// Jobs written together at most.
     pub max_batch: usize,
-    /// After each batch the lane's writer rests this many times as long as
-    /// the batch took (0: not at all), so the lane takes at most
-    /// 1 / (1 + `rest_per_write`) of the store's write time and work in
-    /// other lanes finds the store free in between.
+    /// After each batch written, the lane's writer rests this many times
+    /// as long as the batch took (0: not at all; at most [`MAX_REST`]), so
+    /// the lane's writes take at most 1 / (1 + `rest_per_write`) of its
+    /// time and work in other lanes finds the store free in between.
     pub rest_per_write: u32,
 }
 
@@ -144,11 +149,12 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
                 let (write, orphaned) = (write.clone(), orphaned.clone());
                 tokio::spawn(async move {
                     let started = Instant::now();
-                    run_batch(&*write, &*orphaned, batch, op).await;
+                    let written = run_batch(&*write, &*orphaned, batch, op).await;
                     // Its callers are answered; the writer rests before
-                    // the lane's next batch.
-                    if rest > 0 {
-                        tokio::time::sleep(started.elapsed() * rest).await;
+                    // the lane's next batch. Not after a failure: a
+                    // timed-out write measures the outage, not the work.
+                    if rest > 0 && written {
+                        tokio::time::sleep((started.elapsed() * rest).min(MAX_REST)).await;
                     }
                     drop(writer);
                 });
@@ -204,7 +210,13 @@ fn still_wanted<J, R>(job: Job<J, R>, op: &'static str, after: Duration) -> Opti
 /// Writes one batch; if it fails as a whole (but not by timing out: a hung
 /// database fails every member alike), writes each member still wanted
 /// alone, so that only the members that fail by themselves get the error.
-async fn run_batch<J, R, W, F, O>(write: &W, orphaned: &O, batch: Vec<Job<J, R>>, op: &'static str)
+/// Whether the batch was written as a whole.
+async fn run_batch<J, R, W, F, O>(
+    write: &W,
+    orphaned: &O,
+    batch: Vec<Job<J, R>>,
+    op: &'static str,
+) -> bool
 where
     W: Fn(Vec<J>) -> F,
     F: Future<Output = (Vec<J>, Result<Vec<R>, StoreError>)>,
@@ -228,6 +240,7 @@ where
             for ((job, (reply, _)), answer) in jobs.into_iter().zip(waiting).zip(answers) {
                 answer_or_orphan(reply, job, answer, orphaned);
             }
+            true
         }
         Err(e) if single || matches!(e, StoreError::Timeout { .. }) => {
             let cause = e.to_string();
@@ -237,6 +250,7 @@ where
                     cause: cause.clone(),
                 }));
             }
+            false
         }
         Err(e) => {
             tracing::warn!(op, jobs = jobs.len(), error = %e, layer = "store", "batch failed; writing its members one by one");
@@ -257,6 +271,7 @@ where
                     Err(e) => drop(reply.send(Err(e))),
                 }
             }
+            false
         }
     }
 }
@@ -350,6 +365,52 @@ mod tests {
         // Each caller is answered when its own write is done, not after
         // the rest that follows it.
         assert_eq!(answered, [ms(10), ms(30), ms(50)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lane_rests_only_after_a_written_batch_and_never_past_the_cap() {
+        let started = Instant::now();
+        let writes = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = writes.clone();
+        let lane = Lane {
+            max_batch: 1,
+            rest_per_write: 3,
+        };
+        // Job 0 fails after 10 ms; job 1 takes a whole second; job 2 is
+        // quick.
+        let batcher = Batcher::spawn_lane(
+            "test",
+            Duration::from_secs(5),
+            lane,
+            move |jobs: Vec<u32>| {
+                seen.lock().unwrap().push(started.elapsed());
+                async move {
+                    let took = if jobs[0] == 1 { 1000 } else { 10 };
+                    tokio::time::sleep(Duration::from_millis(took)).await;
+                    let result = if jobs[0] == 0 {
+                        Err(StoreError::Unavailable {
+                            op: "test",
+                            cause: "refused".into(),
+                        })
+                    } else {
+                        Ok(vec![(); jobs.len()])
+                    };
+                    (jobs, result)
+                }
+            },
+            |_, _| {},
+        );
+        let _ = futures_util::future::join_all((0..3u32).map(|i| {
+            let b = batcher.clone();
+            async move { b.submit(i).await }
+        }))
+        .await;
+        let ms = Duration::from_millis;
+        // No rest after the failure; after the long write, the cap.
+        assert_eq!(
+            *writes.lock().unwrap(),
+            [ms(0), ms(10), ms(1010) + MAX_REST]
+        );
     }
 
     #[tokio::test(start_paused = true)]

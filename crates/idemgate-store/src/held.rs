@@ -21,9 +21,9 @@ use sqlx::postgres::{PgConnection, PgPool};
 #[cfg(feature = "postgres")]
 use tokio::sync::Mutex;
 
-/// A pool smaller than this lends each batch a connection instead: two
-/// writers (claims and completions) keeping one each must leave enough for
-/// everything else (takeovers, reads, the sweeper).
+/// A pool smaller than this lends each batch a connection instead: the
+/// three writers (claims, completions, large completions) keeping one each
+/// must leave some for everything else (takeovers, reads, the sweeper).
 pub const MIN_POOL_TO_HOLD: u32 = 4;
 
 /// The connection one batch writer keeps, with when it was last used.

@@ -45,10 +45,12 @@ const LARGE_BODY: usize = 64 * 1024;
 /// writer (SQLite's only one; on Postgres its CPU, WAL and the Redis
 /// connection) for milliseconds, and without a rest a flood of them kept
 /// it busy back to back: every claim and small completion waited for one,
-/// twice per request. Resting, large answers get at most a quarter of the
-/// store's write time, a claim meets one in progress a quarter of the
-/// time, and the client that sends them waits for its own
-/// (`loadtest/README.md` has the measurements).
+/// twice per request. Resting, a lane writes at most a quarter of its
+/// time (one lane per store: per process on SQLite, per worker on
+/// Postgres), a claim meets a large write in progress that much less
+/// often, and a flood of large answers slows the recording of large
+/// answers rather than every claim (`loadtest/README.md` has the
+/// measurements).
 const LARGE_LANE: Lane = Lane {
     max_batch: 1,
     rest_per_write: 3,
