@@ -15,6 +15,9 @@
 # cost of carrying them). NOFILE: the descriptor limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The build measured: the commit, "-dirty" when code (not these results)
+# differs from it.
+REV=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!loadtest/results' || echo -dirty)
 SECS=${1:-10}
 RATE=${2:-100}
 NOFILE=${NOFILE:-1024}
@@ -139,7 +142,7 @@ scenario "slow-loris h2c (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 
 scenario "big answers (600 × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions/big" 600 1000000
 
 {
-  echo "# Abuse beside a legitimate client ($(date -u +%Y-%m-%d), $(git describe --always --dirty))"
+  echo "# Abuse beside a legitimate client ($(date -u +%Y-%m-%d), $REV)"
   echo
   echo "\`STORE=$STORE loadtest/abuse.sh $SECS $RATE\`: one gateway (2 workers, $([ "$STORE" = postgres ] && echo "Postgres + Redis" || echo "SQLite + the in-process fast layer"), \`ulimit -n $NOFILE\`) in front of the demo upstream; a legitimate client sends $RATE fresh-key POSTs a second for $SECS s on 16 connections kept from before each abuser starts. Peak in flight = the upstream's most requests at once; RSS (less lazily freed pages) peak / 12 s after the scenario (its residue finished, freed memory decayed), MiB."
   echo
