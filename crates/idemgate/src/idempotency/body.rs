@@ -31,7 +31,8 @@ pub enum BodyError {
 /// one body, not how many arrive together (10,000 connections, or 128
 /// streams of one HTTP/2 connection, each sending a megabyte). Counted in
 /// KiB; a body that would go past the budget is refused (`503`) before
-/// anything is claimed.
+/// anything is claimed. Answers captured for their record count against
+/// it too ([`capture`]).
 #[derive(Clone, Debug)]
 pub struct BodyBudget(std::sync::Arc<tokio::sync::Semaphore>);
 
@@ -160,37 +161,58 @@ pub enum Captured {
     Broken(String),
 }
 
-/// Reads a response body up to `cap` bytes.
-pub async fn capture(mut body: Body, cap: usize) -> Captured {
+/// Reads a response body up to `cap` bytes, holding what it keeps against
+/// `budget` (`server.max_buffered_bytes`, shared with request bodies) until
+/// the returned share is dropped, once the answer is recorded. With the
+/// budget spent, the answer is streamed on and recorded without its body,
+/// as one over the cap is: a burst of large answers cannot hold more than
+/// the budget in memory.
+pub async fn capture(mut body: Body, cap: usize, budget: &BodyBudget) -> (Captured, Buffered) {
+    let mut held: Buffered = None;
     // Sized from the body's own length when it has one: a buffer grown by
     // doubling holds up to twice the body, and the stored copy (kept for
     // the whole retention by the in-process layer) would hold it all.
     let expected = http_body::Body::size_hint(&body).exact();
     let mut buffer = match expected {
-        Some(n) if n as usize <= cap => BytesMut::with_capacity(n as usize),
+        Some(n) if n as usize <= cap => {
+            if budget.take(&mut held, n as usize).is_err() {
+                return (Captured::TooLarge(Bytes::new(), body), None);
+            }
+            BytesMut::with_capacity(n as usize)
+        }
         _ => BytesMut::new(),
     };
-    loop {
+    // Bytes the share covers so far (it is taken in whole KiB).
+    let mut covered = buffer.capacity().div_ceil(1024) * 1024;
+    let captured = loop {
         match body.frame().await {
             None => {
                 if buffer.capacity() > buffer.len() + buffer.len() / 4 + 64 {
                     // Grown past its length: keep an exact copy instead.
-                    return Captured::Whole(Bytes::copy_from_slice(&buffer));
+                    break Captured::Whole(Bytes::copy_from_slice(&buffer));
                 }
-                return Captured::Whole(buffer.freeze());
+                break Captured::Whole(buffer.freeze());
             }
-            Some(Err(e)) => return Captured::Broken(e.to_string()),
+            Some(Err(e)) => return (Captured::Broken(e.to_string()), None),
             Some(Ok(frame)) => {
                 let Ok(data) = frame.into_data() else {
                     continue; // trailers are not stored
                 };
                 buffer.extend_from_slice(&data);
                 if buffer.len() > cap {
-                    return Captured::TooLarge(buffer.freeze(), body);
+                    return (Captured::TooLarge(buffer.freeze(), body), None);
+                }
+                if buffer.len() > covered {
+                    let more = buffer.len() - covered;
+                    if budget.take(&mut held, more).is_err() {
+                        return (Captured::TooLarge(buffer.freeze(), body), None);
+                    }
+                    covered += more.div_ceil(1024) * 1024;
                 }
             }
         }
-    }
+    };
+    (captured, held)
 }
 
 /// `prefix` followed by the rest of `body`, streamed.

@@ -552,6 +552,7 @@ impl Engine {
             deadline: self.settings.wait_limit,
             uncertain_hold: self.settings.uncertain_hold,
             max_stored_body_bytes: self.settings.max_stored_body_bytes,
+            body_budget: self.settings.body_budget.clone(),
             layer: P::LAYER,
             in_process: self.settings.in_process,
             claimed_at,
