@@ -21,7 +21,9 @@ pub enum BodyError {
     #[error("reading the request body failed: {0}")]
     Broken(String),
     /// Buffering it would pass the process's budget of buffered bodies.
-    #[error("the process holds server.max_buffered_bytes of request bodies")]
+    #[error(
+        "the process holds server.max_buffered_bytes of bodies (requests read, answers awaiting their record)"
+    )]
     Budget,
 }
 
@@ -165,8 +167,9 @@ pub enum Captured {
 /// `budget` (`server.max_buffered_bytes`, shared with request bodies) until
 /// the returned share is dropped, once the answer is recorded. With the
 /// budget spent, the answer is streamed on and recorded without its body,
-/// as one over the cap is: a burst of large answers cannot hold more than
-/// the budget in memory.
+/// as one over the cap is: answers waiting for their record (a slow or
+/// absent store) hold at most the budget, though the copy a slow client is
+/// still reading is its connection's, not counted here.
 pub async fn capture(mut body: Body, cap: usize, budget: &BodyBudget) -> (Captured, Buffered) {
     let mut held: Buffered = None;
     // Sized from the body's own length when it has one: a buffer grown by
@@ -183,7 +186,10 @@ pub async fn capture(mut body: Body, cap: usize, budget: &BodyBudget) -> (Captur
         _ => BytesMut::new(),
     };
     // Bytes the share covers so far (it is taken in whole KiB).
-    let mut covered = buffer.capacity().div_ceil(1024) * 1024;
+    let mut covered = match expected {
+        Some(n) if n as usize <= cap => (n as usize).div_ceil(1024) * 1024,
+        _ => 0,
+    };
     let captured = loop {
         match body.frame().await {
             None => {
