@@ -226,3 +226,32 @@ pub fn chain(prefix: Bytes, body: Body) -> Body {
     let head = futures_util::stream::once(async move { Ok::<_, axum::Error>(prefix) });
     Body::from_stream(head.chain(body.into_data_stream()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An answer of known length is counted before a byte is read; with
+    /// the budget spent it is passed on whole, nothing kept.
+    #[tokio::test]
+    async fn an_answer_of_known_length_past_the_budget_is_passed_on_whole() {
+        let budget = BodyBudget::new(2048);
+        let (first, held) = capture(Body::from(vec![b'a'; 2000]), 4096, &budget).await;
+        assert!(matches!(&first, Captured::Whole(b) if b.len() == 2000));
+        assert!(held.is_some());
+        // The first answer's share is still held: 2 KiB more do not fit.
+        let (second, none) = capture(Body::from(vec![b'b'; 2000]), 4096, &budget).await;
+        assert!(none.is_none());
+        let Captured::TooLarge(prefix, rest) = second else {
+            panic!("kept past the budget");
+        };
+        let whole = axum::body::to_bytes(chain(prefix, rest), usize::MAX)
+            .await
+            .unwrap();
+        assert_eq!(whole, vec![b'b'; 2000]);
+        // Given back, it fits.
+        drop(held);
+        let (third, _) = capture(Body::from(vec![b'c'; 2000]), 4096, &budget).await;
+        assert!(matches!(third, Captured::Whole(b) if b.len() == 2000));
+    }
+}
