@@ -328,25 +328,38 @@ mod tests {
         assert!(batches.load(Ordering::SeqCst) > 1);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_resting_lane_answers_at_once_and_leaves_the_store_free_as_long_as_it_wrote() {
+    /// A one-job lane resting `rest` times each write, whose write of job
+    /// `j` takes `write(j).0` ms and succeeds when `write(j).1`; submits
+    /// jobs 0, 1 and 2 at once. When each write started, and when each
+    /// caller was answered (both from the start).
+    async fn three_jobs_on_a_lane(
+        rest: u32,
+        write: fn(u32) -> (u64, bool),
+    ) -> (Vec<Duration>, Vec<Duration>) {
         let started = Instant::now();
         let writes = Arc::new(std::sync::Mutex::new(Vec::new()));
         let seen = writes.clone();
         let lane = Lane {
             max_batch: 1,
-            rest_per_write: 1,
+            rest_per_write: rest,
         };
         let batcher = Batcher::spawn_lane(
             "test",
-            Duration::from_secs(2),
+            Duration::from_secs(5),
             lane,
             move |jobs: Vec<u32>| {
                 seen.lock().unwrap().push(started.elapsed());
+                let (took, ok) = write(jobs[0]);
                 async move {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    let n = jobs.len();
-                    (jobs, Ok(vec![(); n]))
+                    tokio::time::sleep(Duration::from_millis(took)).await;
+                    let result = match ok {
+                        true => Ok(vec![(); jobs.len()]),
+                        false => Err(StoreError::Unavailable {
+                            op: "test",
+                            cause: "refused".into(),
+                        }),
+                    };
+                    (jobs, result)
                 }
             },
             |_, _| {},
@@ -354,14 +367,21 @@ mod tests {
         let answered = futures_util::future::join_all((0..3u32).map(|i| {
             let b = batcher.clone();
             async move {
-                b.submit(i).await.unwrap();
+                let _ = b.submit(i).await;
                 started.elapsed()
             }
         }))
         .await;
+        let writes = writes.lock().unwrap().clone();
+        (writes, answered)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_resting_lane_answers_at_once_and_leaves_the_store_free_as_long_as_it_wrote() {
+        let (writes, answered) = three_jobs_on_a_lane(1, |_| (10, true)).await;
         let ms = Duration::from_millis;
         // One job per write, each write 10 ms, a 10 ms rest after each.
-        assert_eq!(*writes.lock().unwrap(), [ms(0), ms(20), ms(40)]);
+        assert_eq!(writes, [ms(0), ms(20), ms(40)]);
         // Each caller is answered when its own write is done, not after
         // the rest that follows it.
         assert_eq!(answered, [ms(10), ms(30), ms(50)]);
@@ -369,48 +389,17 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_lane_rests_only_after_a_written_batch_and_never_past_the_cap() {
-        let started = Instant::now();
-        let writes = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let seen = writes.clone();
-        let lane = Lane {
-            max_batch: 1,
-            rest_per_write: 3,
-        };
         // Job 0 fails after 10 ms; job 1 takes a whole second; job 2 is
         // quick.
-        let batcher = Batcher::spawn_lane(
-            "test",
-            Duration::from_secs(5),
-            lane,
-            move |jobs: Vec<u32>| {
-                seen.lock().unwrap().push(started.elapsed());
-                async move {
-                    let took = if jobs[0] == 1 { 1000 } else { 10 };
-                    tokio::time::sleep(Duration::from_millis(took)).await;
-                    let result = if jobs[0] == 0 {
-                        Err(StoreError::Unavailable {
-                            op: "test",
-                            cause: "refused".into(),
-                        })
-                    } else {
-                        Ok(vec![(); jobs.len()])
-                    };
-                    (jobs, result)
-                }
-            },
-            |_, _| {},
-        );
-        let _ = futures_util::future::join_all((0..3u32).map(|i| {
-            let b = batcher.clone();
-            async move { b.submit(i).await }
-        }))
+        let (writes, _) = three_jobs_on_a_lane(3, |job| match job {
+            0 => (10, false),
+            1 => (1000, true),
+            _ => (10, true),
+        })
         .await;
         let ms = Duration::from_millis;
         // No rest after the failure; after the long write, the cap.
-        assert_eq!(
-            *writes.lock().unwrap(),
-            [ms(0), ms(10), ms(1010) + MAX_REST]
-        );
+        assert_eq!(writes, [ms(0), ms(10), ms(1010) + MAX_REST]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -670,14 +670,32 @@ mod tests {
         Future = impl Send,
     > + Send
     + 'static {
-        tower::service_fn(move |_req: Request<Body>| async move {
-            let body = futures_util::stream::once(async move {
-                tokio::time::sleep(stall).await;
-                Ok::<_, Infallible>(Bytes::from_static(b"{\"ok\":true}"))
-            });
-            let mut response = Response::new(Body::from_stream(body.boxed()));
-            *response.status_mut() = StatusCode::from_u16(status).unwrap();
-            Ok::<_, Infallible>(response)
+        upstream_with(status, stall, Bytes::from_static(b"{\"ok\":true}"))
+    }
+
+    /// [`upstream`], answering `body`.
+    fn upstream_with(
+        status: u16,
+        stall: Duration,
+        body: Bytes,
+    ) -> impl Service<
+        Request<Body>,
+        Response = Response<Body>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Send
+    + 'static {
+        tower::service_fn(move |_req: Request<Body>| {
+            let body = body.clone();
+            async move {
+                let body = futures_util::stream::once(async move {
+                    tokio::time::sleep(stall).await;
+                    Ok::<_, Infallible>(body)
+                });
+                let mut response = Response::new(Body::from_stream(body.boxed()));
+                *response.status_mut() = StatusCode::from_u16(status).unwrap();
+                Ok::<_, Infallible>(response)
+            }
         })
     }
 
@@ -722,26 +740,6 @@ mod tests {
         assert!(matches!(&writes[0].1, Write::Complete(s) if s.status == 201 && s.body_kept));
     }
 
-    /// An upstream that answers 201 with `bytes` bytes of body.
-    fn sized_upstream(
-        bytes: usize,
-    ) -> impl Service<
-        Request<Body>,
-        Response = Response<Body>,
-        Error = Infallible,
-        Future = impl Send,
-    > + Send
-    + 'static {
-        tower::service_fn(move |_req: Request<Body>| async move {
-            let body = futures_util::stream::once(async move {
-                Ok::<_, Infallible>(Bytes::from(vec![b'z'; bytes]))
-            });
-            let mut response = Response::new(Body::from_stream(body.boxed()));
-            *response.status_mut() = StatusCode::CREATED;
-            Ok::<_, Infallible>(response)
-        })
-    }
-
     #[tokio::test(start_paused = true)]
     async fn captured_answers_count_against_the_buffer_budget_until_recorded() {
         // 2 KiB of buffers for answers of up to 64 KiB.
@@ -750,7 +748,10 @@ mod tests {
             let (mut holder, _) = holder(script, Duration::from_secs(30));
             holder.max_stored_body_bytes = 64 * 1024;
             holder.body_budget = budget.clone();
-            run(holder, sized_upstream(bytes))
+            run(
+                holder,
+                upstream_with(201, Duration::ZERO, Bytes::from(vec![b'z'; bytes])),
+            )
         };
         // Past the budget: streamed whole to its client, recorded without
         // its body (a replay says Idempotent-Body-Omitted).
