@@ -178,9 +178,7 @@ pub struct ServerConfig {
     #[serde(default)]
     pub max_claims: usize,
     /// Bytes of request bodies buffered at once across the process (the
-    /// protected routes read each whole; past it `503 buffers-exhausted`)
-    /// and of answers captured until recorded (past it an answer is
-    /// recorded without its body).
+    /// protected routes read each whole); past it `503 buffers-exhausted`.
     #[serde(default = "default_max_buffered_bytes")]
     pub max_buffered_bytes: u64,
     /// Threads serving the public listener, each with its own event loop

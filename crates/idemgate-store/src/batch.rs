@@ -56,7 +56,9 @@ pub struct Lane {
     /// After each batch written, the lane's writer rests this many times
     /// as long as the batch took (0: not at all; at most [`MAX_REST`]), so
     /// the lane's writes take at most 1 / (1 + `rest_per_write`) of its
-    /// time and work in other lanes finds the store free in between.
+    /// time (of writes shorter than `MAX_REST / rest_per_write`; a longer
+    /// one is followed by `MAX_REST`) and work in other lanes finds the
+    /// store free in between.
     pub rest_per_write: u32,
 }
 

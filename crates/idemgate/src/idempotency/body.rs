@@ -21,9 +21,7 @@ pub enum BodyError {
     #[error("reading the request body failed: {0}")]
     Broken(String),
     /// Buffering it would pass the process's budget of buffered bodies.
-    #[error(
-        "the process holds server.max_buffered_bytes of bodies (requests read, answers awaiting their record)"
-    )]
+    #[error("the process holds server.max_buffered_bytes of request bodies")]
     Budget,
 }
 
@@ -33,8 +31,7 @@ pub enum BodyError {
 /// one body, not how many arrive together (10,000 connections, or 128
 /// streams of one HTTP/2 connection, each sending a megabyte). Counted in
 /// KiB; a body that would go past the budget is refused (`503`) before
-/// anything is claimed. Answers captured for their record count against
-/// it too ([`capture`]).
+/// anything is claimed.
 #[derive(Clone, Debug)]
 pub struct BodyBudget(std::sync::Arc<tokio::sync::Semaphore>);
 
@@ -163,95 +160,41 @@ pub enum Captured {
     Broken(String),
 }
 
-/// Reads a response body up to `cap` bytes, holding what it keeps against
-/// `budget` (`server.max_buffered_bytes`, shared with request bodies) until
-/// the returned share is dropped, once the answer is recorded. With the
-/// budget spent, the answer is streamed on and recorded without its body,
-/// as one over the cap is: answers waiting for their record (a slow or
-/// absent store) hold at most the budget, though the copy a slow client is
-/// still reading is its connection's, not counted here.
-pub async fn capture(mut body: Body, cap: usize, budget: &BodyBudget) -> (Captured, Buffered) {
-    let mut held: Buffered = None;
+/// Reads a response body up to `cap` bytes.
+pub async fn capture(mut body: Body, cap: usize) -> Captured {
     // Sized from the body's own length when it has one: a buffer grown by
     // doubling holds up to twice the body, and the stored copy (kept for
     // the whole retention by the in-process layer) would hold it all.
     let expected = http_body::Body::size_hint(&body).exact();
     let mut buffer = match expected {
-        Some(n) if n as usize <= cap => {
-            if budget.take(&mut held, n as usize).is_err() {
-                return (Captured::TooLarge(Bytes::new(), body), None);
-            }
-            BytesMut::with_capacity(n as usize)
-        }
+        Some(n) if n as usize <= cap => BytesMut::with_capacity(n as usize),
         _ => BytesMut::new(),
     };
-    // Bytes the share covers so far (it is taken in whole KiB).
-    let mut covered = match expected {
-        Some(n) if n as usize <= cap => (n as usize).div_ceil(1024) * 1024,
-        _ => 0,
-    };
-    let captured = loop {
+    loop {
         match body.frame().await {
             None => {
                 if buffer.capacity() > buffer.len() + buffer.len() / 4 + 64 {
                     // Grown past its length: keep an exact copy instead.
-                    break Captured::Whole(Bytes::copy_from_slice(&buffer));
+                    return Captured::Whole(Bytes::copy_from_slice(&buffer));
                 }
-                break Captured::Whole(buffer.freeze());
+                return Captured::Whole(buffer.freeze());
             }
-            Some(Err(e)) => return (Captured::Broken(e.to_string()), None),
+            Some(Err(e)) => return Captured::Broken(e.to_string()),
             Some(Ok(frame)) => {
                 let Ok(data) = frame.into_data() else {
                     continue; // trailers are not stored
                 };
                 buffer.extend_from_slice(&data);
                 if buffer.len() > cap {
-                    return (Captured::TooLarge(buffer.freeze(), body), None);
-                }
-                if buffer.len() > covered {
-                    let more = buffer.len() - covered;
-                    if budget.take(&mut held, more).is_err() {
-                        return (Captured::TooLarge(buffer.freeze(), body), None);
-                    }
-                    covered += more.div_ceil(1024) * 1024;
+                    return Captured::TooLarge(buffer.freeze(), body);
                 }
             }
         }
-    };
-    (captured, held)
+    }
 }
 
 /// `prefix` followed by the rest of `body`, streamed.
 pub fn chain(prefix: Bytes, body: Body) -> Body {
     let head = futures_util::stream::once(async move { Ok::<_, axum::Error>(prefix) });
     Body::from_stream(head.chain(body.into_data_stream()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// An answer of known length is counted before a byte is read; with
-    /// the budget spent it is passed on whole, nothing kept.
-    #[tokio::test]
-    async fn an_answer_of_known_length_past_the_budget_is_passed_on_whole() {
-        let budget = BodyBudget::new(2048);
-        let (first, held) = capture(Body::from(vec![b'a'; 2000]), 4096, &budget).await;
-        assert!(matches!(&first, Captured::Whole(b) if b.len() == 2000));
-        assert!(held.is_some());
-        // The first answer's share is still held: 2 KiB more do not fit.
-        let (second, none) = capture(Body::from(vec![b'b'; 2000]), 4096, &budget).await;
-        assert!(none.is_none());
-        let Captured::TooLarge(prefix, rest) = second else {
-            panic!("kept past the budget");
-        };
-        let whole = axum::body::to_bytes(chain(prefix, rest), usize::MAX)
-            .await
-            .unwrap();
-        assert_eq!(whole, vec![b'b'; 2000]);
-        // Given back, it fits.
-        drop(held);
-        let (third, _) = capture(Body::from(vec![b'c'; 2000]), 4096, &budget).await;
-        assert!(matches!(third, Captured::Whole(b) if b.len() == 2000));
-    }
 }

@@ -101,9 +101,7 @@ pub enum IdempotencyError {
     #[error("the key's record has expired (tombstone)")]
     Expired,
     /// `503`: the process's budget of buffered bodies is full.
-    #[error(
-        "the process holds server.max_buffered_bytes of bodies (requests read, answers awaiting their record)"
-    )]
+    #[error("the process holds server.max_buffered_bytes of request bodies")]
     BodyBudget,
     /// `503`: the process's, or this connection's, budget of claims is full.
     #[error("no claim can be made now: {0:?} limit reached")]
@@ -554,7 +552,6 @@ impl Engine {
             deadline: self.settings.wait_limit,
             uncertain_hold: self.settings.uncertain_hold,
             max_stored_body_bytes: self.settings.max_stored_body_bytes,
-            body_budget: self.settings.body_budget.clone(),
             layer: P::LAYER,
             in_process: self.settings.in_process,
             claimed_at,
@@ -888,7 +885,7 @@ impl From<&IdempotencyError> for idemgate_core::error::Problem {
             E::Expired => idemgate_core::error::Problem::new(Reason::IdempotencyKeyExpired)
             .detail("the request was answered before and its stored answer is no longer kept; it is not executed again — use a new key for a new request"),
             E::BodyBudget => idemgate_core::error::Problem::new(Reason::BuffersExhausted)
-            .detail("server.max_buffered_bytes of bodies (requests being read, answers awaiting their record) are held; nothing was recorded or forwarded, retry shortly")
+            .detail("server.max_buffered_bytes of request bodies are being read or held; nothing was recorded or forwarded, retry shortly")
             .retry_after(idemgate_core::error::IN_FLIGHT_RETRY_AFTER_SECS),
             E::Exhausted(which) => idemgate_core::error::Problem::new(Reason::ClaimsExhausted)
             .detail(match which {

@@ -28,7 +28,7 @@ use tokio::sync::{Notify, watch};
 use tower::Service;
 
 use super::ForwardFailure;
-use super::body::{BodyBudget, Buffered, Captured, capture, chain};
+use super::body::{Captured, capture, chain};
 use super::expires::set_expires;
 use super::verdict::Verdict;
 use idemgate_core::error::{Problem, Reason};
@@ -300,9 +300,6 @@ pub(super) struct Holder<L> {
     pub uncertain_hold: Duration,
     /// Larger response bodies are recorded without the body.
     pub max_stored_body_bytes: usize,
-    /// What captured answers may hold together until they are recorded
-    /// (`server.max_buffered_bytes`, shared with request bodies).
-    pub body_budget: BodyBudget,
     /// The policy layer's name, for logs.
     pub layer: &'static str,
     /// The inner service is a handler in this process, not an upstream.
@@ -347,15 +344,13 @@ impl<L: Ledger> Holder<L> {
             receive(
                 inner,
                 request,
-                (self.max_stored_body_bytes, &self.body_budget),
+                self.max_stored_body_bytes,
                 &self.request_id,
                 self.uncertain_hold,
             ),
         )
         .await;
-        // The captured answer's share of the buffers, held until it is
-        // recorded (the end of this function).
-        let (write, response, _captured) = received.unwrap_or_else(|_| {
+        let (write, response) = received.unwrap_or_else(|_| {
             let problem = match self.in_process {
                 false => Problem::new(Reason::UpstreamTimeout),
                 true => Problem::new(Reason::HandlerTimeout),
@@ -375,7 +370,6 @@ impl<L: Ledger> Holder<L> {
                     hold: self.uncertain_hold,
                 },
                 response,
-                None,
             )
         });
         self.holders
@@ -480,10 +474,10 @@ impl<L: Ledger> Holder<L> {
 async fn receive<S>(
     inner: S,
     request: Request<Body>,
-    (cap, budget): (usize, &BodyBudget),
+    cap: usize,
     request_id: &str,
     hold: Duration,
-) -> (Write, Response<Body>, Buffered)
+) -> (Write, Response<Body>)
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
     S::Future: Send,
@@ -498,20 +492,19 @@ where
                 "holder",
                 "the inner service panicked; the outcome is uncertain",
             );
-            return (Write::Uncertain { hold }, problem.into_response(), None);
+            return (Write::Uncertain { hold }, problem.into_response());
         }
     };
     match response.extensions().get::<ForwardFailure>() {
-        Some(ForwardFailure::NotSent) => return (Write::Release, response, None),
-        Some(ForwardFailure::Uncertain) => return (Write::Uncertain { hold }, response, None),
+        Some(ForwardFailure::NotSent) => return (Write::Release, response),
+        Some(ForwardFailure::Uncertain) => return (Write::Uncertain { hold }, response),
         None => {}
     }
     if !super::outcome::is_stored(response.status()) {
-        return (Write::Release, response, None);
+        return (Write::Release, response);
     }
     let (parts, body) = response.into_parts();
-    let (captured, held) = capture(body, cap, budget).await;
-    let (kept, client_body) = match captured {
+    let (kept, client_body) = match capture(body, cap).await {
         Captured::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
         Captured::TooLarge(prefix, rest) => (None, chain(prefix, rest)),
         Captured::Broken(cause) => {
@@ -519,7 +512,7 @@ where
             // the outcome never arrived whole.
             let problem = Problem::new(Reason::UpstreamBroken)
                 .logged("holder", format!("response body cut: {cause}"));
-            return (Write::Uncertain { hold }, problem.into_response(), None);
+            return (Write::Uncertain { hold }, problem.into_response());
         }
     };
     let stored = StoredResponse {
@@ -532,7 +525,6 @@ where
     (
         Write::Complete(stored),
         Response::from_parts(parts, client_body),
-        held,
     )
 }
 
@@ -651,7 +643,6 @@ mod tests {
             deadline,
             uncertain_hold: Duration::from_secs(2),
             max_stored_body_bytes: 1024,
-            body_budget: BodyBudget::unbounded(),
             layer: "test",
             in_process: false,
             claimed_at: Instant::now(),
@@ -670,32 +661,14 @@ mod tests {
         Future = impl Send,
     > + Send
     + 'static {
-        upstream_with(status, stall, Bytes::from_static(b"{\"ok\":true}"))
-    }
-
-    /// [`upstream`], answering `body`.
-    fn upstream_with(
-        status: u16,
-        stall: Duration,
-        body: Bytes,
-    ) -> impl Service<
-        Request<Body>,
-        Response = Response<Body>,
-        Error = Infallible,
-        Future = impl Send,
-    > + Send
-    + 'static {
-        tower::service_fn(move |_req: Request<Body>| {
-            let body = body.clone();
-            async move {
-                let body = futures_util::stream::once(async move {
-                    tokio::time::sleep(stall).await;
-                    Ok::<_, Infallible>(body)
-                });
-                let mut response = Response::new(Body::from_stream(body.boxed()));
-                *response.status_mut() = StatusCode::from_u16(status).unwrap();
-                Ok::<_, Infallible>(response)
-            }
+        tower::service_fn(move |_req: Request<Body>| async move {
+            let body = futures_util::stream::once(async move {
+                tokio::time::sleep(stall).await;
+                Ok::<_, Infallible>(Bytes::from_static(b"{\"ok\":true}"))
+            });
+            let mut response = Response::new(Body::from_stream(body.boxed()));
+            *response.status_mut() = StatusCode::from_u16(status).unwrap();
+            Ok::<_, Infallible>(response)
         })
     }
 
@@ -738,45 +711,6 @@ mod tests {
         assert_eq!(writes.len(), 1);
         assert_eq!(writes[0].0 - started, Duration::from_secs(7));
         assert!(matches!(&writes[0].1, Write::Complete(s) if s.status == 201 && s.body_kept));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn captured_answers_count_against_the_buffer_budget_until_recorded() {
-        // 2 KiB of buffers for answers of up to 64 KiB.
-        let budget = BodyBudget::new(2048);
-        let answer = |script: &Script, bytes: usize| {
-            let (mut holder, _) = holder(script, Duration::from_secs(30));
-            holder.max_stored_body_bytes = 64 * 1024;
-            holder.body_budget = budget.clone();
-            run(
-                holder,
-                upstream_with(201, Duration::ZERO, Bytes::from(vec![b'z'; bytes])),
-            )
-        };
-        // Past the budget: streamed whole to its client, recorded without
-        // its body (a replay says Idempotent-Body-Omitted).
-        let script = Script::default();
-        let response = answer(&script, 4096).await.unwrap();
-        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-            .await
-            .unwrap();
-        assert_eq!(body.len(), 4096);
-        let writes = script.writes.lock().unwrap().clone();
-        assert!(matches!(&writes[0].1, Write::Complete(s) if s.status == 201 && !s.body_kept));
-        // Within it: kept, and its share given back once recorded, so the
-        // next one fits too.
-        for _ in 0..3 {
-            let script = Script::default();
-            let response = answer(&script, 2000).await.unwrap();
-            let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-                .await
-                .unwrap();
-            assert_eq!(body.len(), 2000);
-            let writes = script.writes.lock().unwrap().clone();
-            assert!(
-                matches!(&writes[0].1, Write::Complete(s) if s.body_kept && s.body.len() == 2000)
-            );
-        }
     }
 
     #[tokio::test(start_paused = true)]

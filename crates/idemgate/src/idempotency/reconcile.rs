@@ -51,13 +51,9 @@ pub(crate) async fn stored_answer(
     deadline: Duration,
 ) -> Result<StoredResponse, String> {
     let (parts, body) = answer.into_parts();
-    // One answer per uncertain record being reconciled, each within `cap`:
-    // not counted against the process's buffers.
-    let unbudgeted = super::body::BodyBudget::unbounded();
-    let (captured, _) =
-        tokio::time::timeout(deadline, super::body::capture(body, cap, &unbudgeted))
-            .await
-            .map_err(|_| "the status endpoint's body did not arrive in time".to_owned())?;
+    let captured = tokio::time::timeout(deadline, super::body::capture(body, cap))
+        .await
+        .map_err(|_| "the status endpoint's body did not arrive in time".to_owned())?;
     let body = match captured {
         super::body::Captured::Whole(bytes) => Some(bytes),
         super::body::Captured::TooLarge(..) => None,
