@@ -479,3 +479,129 @@ async fn buffered_request_bodies_count_against_a_byte_budget() {
     );
     stack.shutdown().await;
 }
+
+/// `server.max_captured_bytes`: every claim reserves 64 KiB of it for its
+/// answer before it is made, so an answer that small is always kept, and a
+/// claim that finds the budget reserved is refused `503 buffers-exhausted`
+/// before anything is claimed or forwarded. A larger answer that finds no
+/// room within a second is passed on whole and recorded without its body
+/// (before: every answer up to `store.max_stored_body_bytes` was held, one
+/// per claim, however many waited for their record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_awaiting_their_record_count_against_a_byte_budget() {
+    let stack = Stack::start_with(KEYS, |c| {
+        c.store.max_stored_body_bytes = 256 * 1024;
+        // Eight claims' reserves.
+        c.server.max_captured_bytes = 512 * 1024;
+        // The slow claims must outlast the big answer's wait.
+        c.upstreams[0].timeout = "10s".into();
+    })
+    .await;
+    let post = |http: support::Http, url: String, key: String, headers: Vec<(String, String)>| async move {
+        let mut all = vec![("idempotency-key".to_owned(), key)];
+        all.extend(headers);
+        let all: Vec<(&str, &str)> = all.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        http.send("POST", &url, &all, "{}").await
+    };
+    let slow = |i: usize| {
+        tokio::spawn(post(
+            support::Http::http1(),
+            stack.url("/actions/slow"),
+            format!("slow-{i}"),
+            vec![("x-demo-delay-ms".into(), "3000".into())],
+        ))
+    };
+    let claims_in_flight = || async {
+        let text = stack.http.get(&stack.admin("/metrics")).await.body;
+        metric(&String::from_utf8_lossy(&text), "idemgate_claims_in_flight")
+    };
+    // Six slow claims hold 384 KiB of reserves.
+    let mut running: Vec<_> = (0..6).map(slow).collect();
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            claims_in_flight().await == 6
+        })
+        .await
+    );
+    let big = |key: &str| {
+        post(
+            stack.http.clone(),
+            stack.url("/actions/big"),
+            key.to_owned(),
+            vec![("x-demo-response-bytes".into(), "200000".into())],
+        )
+    };
+    // A 200 kB answer: its reserve fits, the rest does not while they run.
+    let first = big("big-1").await;
+    assert_eq!(first.status, 201);
+    assert_eq!(
+        first.body.len(),
+        200_000,
+        "the client gets the whole answer"
+    );
+    // A 60 kB answer fits its own reserve, whatever else is held.
+    let small = post(
+        stack.http.clone(),
+        stack.url("/actions/small"),
+        "small-1".into(),
+        vec![("x-demo-response-bytes".into(), "60000".into())],
+    )
+    .await;
+    assert_eq!((small.status.as_u16(), small.body.len()), (201, 60_000));
+    // Two more slow claims reserve the rest: the next is refused at once.
+    running.extend((6..8).map(slow));
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            claims_in_flight().await == 8
+        })
+        .await
+    );
+    let refused = post(
+        stack.http.clone(),
+        stack.url("/actions/slow"),
+        "slow-8".into(),
+        vec![],
+    )
+    .await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(
+        refused.problem_type(),
+        "urn:idemgate:problem:buffers-exhausted"
+    );
+    assert!(refused.header("retry-after").is_some());
+    assert!(
+        stack
+            .gateway
+            .store
+            .find("act", "slow-8")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    for answer in running {
+        assert_eq!(answer.await.unwrap().status, 201);
+    }
+    assert_eq!(executions(&stack, "slow"), 8, "the refused one never ran");
+    // The big answer was recorded without its body; the small one whole.
+    let replay = big("big-1").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!((replay.status.as_u16(), replay.body.len()), (201, 0));
+    assert_eq!(replay.header("idempotent-body-omitted"), Some("true"));
+    let replay = post(
+        stack.http.clone(),
+        stack.url("/actions/small"),
+        "small-1".into(),
+        vec![],
+    )
+    .await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body.len(), 60_000);
+    // With the budget free again a big answer is kept.
+    assert_eq!(big("big-2").await.body.len(), 200_000);
+    let replay = big("big-2").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body.len(), 200_000);
+    assert_eq!(executions(&stack, "big"), 2);
+    assert_eq!(executions(&stack, "small"), 1);
+    stack.shutdown().await;
+}

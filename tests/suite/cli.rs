@@ -35,6 +35,8 @@ fn check_config_prints_the_route_table_of_the_shipped_config() {
 fn check_config_reports_every_problem_and_exits_2() {
     let file = write_config(
         r#"
+        [server]
+        max_captured_bytes = 1024
         [store]
         retention = "a while"
         [[upstreams]]
@@ -63,6 +65,7 @@ fn check_config_reports_every_problem_and_exits_2() {
         "routes[0].upstream",
         "routes[1]",
         "overlaps",
+        "server.max_captured_bytes",
         &file.path().display().to_string(),
     ] {
         assert!(

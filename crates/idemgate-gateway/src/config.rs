@@ -37,6 +37,8 @@ const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_MAX_BODY_BYTES: u64 = 1024 * 1024;
 /// `server.max_buffered_bytes`: 256 bodies of the default largest size.
 const DEFAULT_MAX_BUFFERED_BYTES: u64 = 256 * 1024 * 1024;
+/// `server.max_captured_bytes`: the reserves of 4,096 claims.
+const DEFAULT_MAX_CAPTURED_BYTES: u64 = idemgate::idempotency::body::DEFAULT_MAX_CAPTURED_BYTES;
 const DEFAULT_HEADER_READ_TIMEOUT: &str = "10s";
 const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 const DEFAULT_BODY_READ_TIMEOUT: &str = "30s";
@@ -181,6 +183,12 @@ pub struct ServerConfig {
     /// protected routes read each whole); past it `503 buffers-exhausted`.
     #[serde(default = "default_max_buffered_bytes")]
     pub max_buffered_bytes: u64,
+    /// Bytes of upstream answers held across the process until their
+    /// record is written. Each claim reserves 64 KiB of it before it is
+    /// made (past it `503 buffers-exhausted`); a larger answer that finds
+    /// no room within a second is passed on and recorded without its body.
+    #[serde(default = "default_max_captured_bytes")]
+    pub max_captured_bytes: u64,
     /// Threads serving the public listener, each with its own event loop
     /// and upstream connection pool, all accepting from one shared socket;
     /// 0 = one per CPU.
@@ -544,6 +552,9 @@ fn default_max_body_bytes() -> u64 {
 fn default_max_buffered_bytes() -> u64 {
     DEFAULT_MAX_BUFFERED_BYTES
 }
+fn default_max_captured_bytes() -> u64 {
+    DEFAULT_MAX_CAPTURED_BYTES
+}
 fn default_header_read_timeout() -> HumanDuration {
     DEFAULT_HEADER_READ_TIMEOUT.into()
 }
@@ -631,6 +642,7 @@ impl Default for ServerConfig {
             max_connections: default_max_connections(),
             max_claims: 0,
             max_buffered_bytes: default_max_buffered_bytes(),
+            max_captured_bytes: default_max_captured_bytes(),
             worker_threads: 0,
             shutdown_grace: default_shutdown_grace(),
             http2: DEFAULT_HTTP2,

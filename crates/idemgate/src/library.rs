@@ -74,6 +74,10 @@ pub const DEFAULT_MAX_CLAIMS: usize = 4096;
 /// Bytes of request bodies the layers buffer at once (past this a request
 /// is `503 buffers-exhausted`).
 pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 256 * 1024 * 1024;
+/// Bytes of handlers' answers the layers hold until their records are
+/// written; each claim reserves 64 KiB of it before it is made (past this a
+/// request is `503 buffers-exhausted`).
+pub use crate::idempotency::body::DEFAULT_MAX_CAPTURED_BYTES;
 /// The default lifetime of a `/token` token.
 pub const DEFAULT_TOKEN_TTL: Duration = Duration::from_secs(600);
 /// The default signature tolerance of timestamped schemes (Stripe's).
@@ -225,6 +229,7 @@ impl Builder {
                 keys: Arc::new(keys),
                 budget: ClaimBudget::new(DEFAULT_MAX_CLAIMS),
                 body_budget: BodyBudget::new(DEFAULT_MAX_BUFFERED_BYTES),
+                answer_budget: BodyBudget::new(DEFAULT_MAX_CAPTURED_BYTES),
                 settings: self,
                 _sweeper: AbortOnDrop(sweeper),
             }),
@@ -253,6 +258,9 @@ struct Shared {
     budget: ClaimBudget,
     /// Request bodies buffered at once across every layer.
     body_budget: BodyBudget,
+    /// Handlers' answers held until their record is written, across every
+    /// layer.
+    answer_budget: BodyBudget,
     _sweeper: AbortOnDrop,
 }
 
@@ -292,6 +300,7 @@ impl Idempotency {
                 reconcile: None,
                 budget: self.inner.budget.clone(),
                 body_budget: self.inner.body_budget.clone(),
+                answer_budget: self.inner.answer_budget.clone(),
                 in_process: true,
                 // Every layer keeps the shared state (and so the sweeper)
                 // alive, whether or not the handle is still around.

@@ -91,6 +91,15 @@ impl Config {
                 ),
             );
         }
+        if self.server.max_captured_bytes < self.store.max_stored_body_bytes as u64 {
+            add(
+                "server.max_captured_bytes".into(),
+                format!(
+                    "{} is below store.max_stored_body_bytes ({}): a largest answer could never be kept",
+                    self.server.max_captured_bytes, self.store.max_stored_body_bytes
+                ),
+            );
+        }
         if self.store.memory_layer_bytes == 0 {
             add(
                 "store.memory_layer_bytes".into(),

@@ -102,6 +102,7 @@ pub(super) fn build(
                 reconcile: None,
                 budget: shared.budget.clone(),
                 body_budget: shared.body_budget.clone(),
+                answer_budget: shared.answer_budget.clone(),
                 in_process: false,
                 keep_alive: None,
             },

@@ -279,6 +279,8 @@ struct Shared {
     budget: ClaimBudget,
     /// The process's buffered request bodies.
     body_budget: idemgate::idempotency::body::BodyBudget,
+    /// The process's answers held until their record is written.
+    answer_budget: idemgate::idempotency::body::BodyBudget,
     /// The admin API's bearer token.
     admin_token: Option<crate::config::AdminToken>,
     /// The default cap on an upstream's HTTP/1.1 connections (the
@@ -332,6 +334,9 @@ impl Shared {
             budget: ClaimBudget::new(budgets.max_claims),
             body_budget: idemgate::idempotency::body::BodyBudget::new(
                 config.server.max_buffered_bytes,
+            ),
+            answer_budget: idemgate::idempotency::body::BodyBudget::new(
+                config.server.max_captured_bytes,
             ),
             // One limit for the process, not one per worker.
             token_limit: idemgate::token::IssueLimit::per_minute(config.tokens.issue_per_minute)

@@ -140,6 +140,10 @@ fn restart_only(running: &Config, next: &Config) -> Vec<&'static str> {
         a.max_buffered_bytes != b.max_buffered_bytes,
     );
     check(
+        "server.max_captured_bytes",
+        a.max_captured_bytes != b.max_captured_bytes,
+    );
+    check(
         "server.header_read_timeout",
         a.header_read_timeout.get() != b.header_read_timeout.get(),
     );
@@ -197,6 +201,7 @@ impl Shared {
             identity,
             budget: self.budget.clone(),
             body_budget: self.body_budget.clone(),
+            answer_budget: self.answer_budget.clone(),
             token_limit: idemgate::token::IssueLimit::per_minute(config.tokens.issue_per_minute)
                 .map(Arc::new),
             admin_token,

@@ -87,6 +87,7 @@ fn route_service(
                 reconcile: reconcile.clone(),
                 budget: shared.budget.clone(),
                 body_budget: shared.body_budget.clone(),
+                answer_budget: shared.answer_budget.clone(),
                 in_process: false,
                 keep_alive: None,
             },

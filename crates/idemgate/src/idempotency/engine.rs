@@ -51,7 +51,7 @@ use idemgate_store::{Claim, RecordKey, StoreError, StoredResponse};
 use tracing::Instrument;
 
 use super::IDEMPOTENCY_KEY;
-use super::body::{BodyError, read_and_fingerprint};
+use super::body::{AnswerShare, BodyError, read_and_fingerprint};
 use super::expires::set_expires;
 use super::holder::{Claimed, Holder, Holders, Outcome as Published};
 use super::outcome::{forward_plain, replay};
@@ -103,6 +103,10 @@ pub enum IdempotencyError {
     /// `503`: the process's budget of buffered bodies is full.
     #[error("the process holds server.max_buffered_bytes of request bodies")]
     BodyBudget,
+    /// `503`: the process's budget of answers held until their record is
+    /// written is full.
+    #[error("the process holds server.max_captured_bytes of answers awaiting their record")]
+    AnswerBudget,
     /// `503`: the process's, or this connection's, budget of claims is full.
     #[error("no claim can be made now: {0:?} limit reached")]
     Exhausted(budget::Exhausted),
@@ -150,6 +154,9 @@ pub struct EngineSettings {
     pub budget: budget::ClaimBudget,
     /// The process's buffered request bodies (`server.max_buffered_bytes`).
     pub body_budget: super::body::BodyBudget,
+    /// The process's answers held until their record is written
+    /// (`server.max_captured_bytes`).
+    pub answer_budget: super::body::BodyBudget,
     /// The inner service is a handler in this process (the library), not
     /// an upstream: what a client is told when it does not answer in time.
     pub in_process: bool,
@@ -431,14 +438,17 @@ impl Engine {
         }
         // Counted before the claim is made: a claim outlives its client, so
         // it holds the process's budget and its connection's share until
-        // its holder has finished (`_counted` lives as long as this task).
+        // its holder has finished (`_counted` lives as long as this task),
+        // and the reserve its answer will be kept in.
         let connection = parts.extensions.get::<ConnectionClaims>().cloned();
-        let _counted = match self.count_claim(connection.as_ref()) {
+        let (_counted, mut share) = match self.count_claim(connection.as_ref()) {
             Ok(counted) => counted,
-            Err(exhausted) => {
-                self.metrics
-                    .claim_refused(exhausted == budget::Exhausted::Connection);
-                let refused = self.refusal::<P>(IdempotencyError::Exhausted(exhausted), Some(key));
+            Err(refused) => {
+                if let IdempotencyError::Exhausted(exhausted) = &refused {
+                    self.metrics
+                        .claim_refused(*exhausted == budget::Exhausted::Connection);
+                }
+                let refused = self.refusal::<P>(refused, Some(key));
                 let _ = reply.send(Attempt::Answered(refused));
                 return;
             }
@@ -470,7 +480,7 @@ impl Engine {
                 maybe_ran,
             }) => match maybe_ran {
                 true => match self
-                    .reconcile_held::<P>(&ticket, fingerprint, epoch, expires_at_ms)
+                    .reconcile_held::<P>(&ticket, fingerprint, epoch, expires_at_ms, &mut share)
                     .await
                 {
                     Some(answered) => Err(Attempt::Answered(answered)),
@@ -495,8 +505,15 @@ impl Engine {
                 retry_after,
                 expires_at_ms,
             }) => Err(Attempt::Answered(
-                self.during_hold::<P>(&ticket, fingerprint, epoch, retry_after, expires_at_ms)
-                    .await,
+                self.during_hold::<P>(
+                    &ticket,
+                    fingerprint,
+                    epoch,
+                    retry_after,
+                    expires_at_ms,
+                    &mut share,
+                )
+                .await,
             )),
             Ok(Claim::Completed {
                 response,
@@ -552,6 +569,7 @@ impl Engine {
             deadline: self.settings.wait_limit,
             uncertain_hold: self.settings.uncertain_hold,
             max_stored_body_bytes: self.settings.max_stored_body_bytes,
+            share,
             layer: P::LAYER,
             in_process: self.settings.in_process,
             claimed_at,
@@ -566,21 +584,35 @@ impl Engine {
         in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// One claim's share of the process budget and of its connection's.
+    /// One claim's share of the process budget and of its connection's,
+    /// and the reserve of answer budget its answer is kept in.
     fn count_claim(
         &self,
         connection: Option<&ConnectionClaims>,
-    ) -> Result<Counted, budget::Exhausted> {
+    ) -> Result<(Counted, AnswerShare), IdempotencyError> {
         use budget::Exhausted;
         let connection = match connection {
-            Some(c) => Some(c.take().ok_or(Exhausted::Connection)?),
+            Some(c) => Some(
+                c.take()
+                    .ok_or(IdempotencyError::Exhausted(Exhausted::Connection))?,
+            ),
             None => None,
         };
-        let process = self.settings.budget.try_take().ok_or(Exhausted::Process)?;
-        Ok(Counted {
+        let process = self
+            .settings
+            .budget
+            .try_take()
+            .ok_or(IdempotencyError::Exhausted(Exhausted::Process))?;
+        let share = AnswerShare::reserve(
+            &self.settings.answer_budget,
+            self.settings.max_stored_body_bytes,
+        )
+        .map_err(|_| IdempotencyError::AnswerBudget)?;
+        let counted = Counted {
             _process: process,
             _connection: connection,
-        })
+        };
+        Ok((counted, share))
     }
 
     /// A won claim over an attempt that may have acted: asks the upstream
@@ -591,6 +623,7 @@ impl Engine {
         fingerprint: &str,
         epoch: i64,
         expires_at_ms: i64,
+        share: &mut AnswerShare,
     ) -> Option<Response<Body>> {
         let reconcile = self.settings.reconcile.as_ref()?;
         let key = &ticket.key;
@@ -601,7 +634,7 @@ impl Engine {
                 None
             }
             Reconciled::Ran(answer) => {
-                let stored = match self.stored_answer(answer, &ticket.request_id).await {
+                let stored = match self.stored_answer(answer, &ticket.request_id, share).await {
                     Ok(stored) => stored,
                     Err(why) => {
                         return Some(
@@ -650,12 +683,14 @@ impl Engine {
         &self,
         answer: Response<Body>,
         request_id: &str,
+        share: &mut AnswerShare,
     ) -> Result<StoredResponse, String> {
         super::reconcile::stored_answer(
             answer,
             request_id,
             self.settings.max_stored_body_bytes,
             self.settings.wait_limit,
+            share,
         )
         .await
     }
@@ -670,12 +705,13 @@ impl Engine {
         epoch: i64,
         retry_after: Duration,
         expires_at_ms: i64,
+        share: &mut AnswerShare,
     ) -> Response<Body> {
         let key = &ticket.key;
         if let Some(reconcile) = &self.settings.reconcile
             && let Reconciled::Ran(answer) =
                 reconcile.ask(&stable_key(key), &ticket.request_id).await
-            && let Ok(stored) = self.stored_answer(answer, &ticket.request_id).await
+            && let Ok(stored) = self.stored_answer(answer, &ticket.request_id, share).await
         {
             let recorded = self
                 .store
@@ -886,6 +922,9 @@ impl From<&IdempotencyError> for idemgate_core::error::Problem {
             .detail("the request was answered before and its stored answer is no longer kept; it is not executed again — use a new key for a new request"),
             E::BodyBudget => idemgate_core::error::Problem::new(Reason::BuffersExhausted)
             .detail("server.max_buffered_bytes of request bodies are being read or held; nothing was recorded or forwarded, retry shortly")
+            .retry_after(idemgate_core::error::IN_FLIGHT_RETRY_AFTER_SECS),
+            E::AnswerBudget => idemgate_core::error::Problem::new(Reason::BuffersExhausted)
+            .detail("server.max_captured_bytes of answers are held until their records are written; nothing was recorded or forwarded, retry shortly")
             .retry_after(idemgate_core::error::IN_FLIGHT_RETRY_AFTER_SECS),
             E::Exhausted(which) => idemgate_core::error::Problem::new(Reason::ClaimsExhausted)
             .detail(match which {

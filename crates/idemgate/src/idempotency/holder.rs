@@ -28,7 +28,7 @@ use tokio::sync::{Notify, watch};
 use tower::Service;
 
 use super::ForwardFailure;
-use super::body::{Captured, capture, chain};
+use super::body::{AnswerShare, CAPTURE_WAIT, Captured, capture, chain};
 use super::expires::set_expires;
 use super::verdict::Verdict;
 use idemgate_core::error::{Problem, Reason};
@@ -300,6 +300,9 @@ pub(super) struct Holder<L> {
     pub uncertain_hold: Duration,
     /// Larger response bodies are recorded without the body.
     pub max_stored_body_bytes: usize,
+    /// The claim's share of the answer budget, the answer is kept in;
+    /// given back when the holder has finished.
+    pub share: AnswerShare,
     /// The policy layer's name, for logs.
     pub layer: &'static str,
     /// The inner service is a handler in this process, not an upstream.
@@ -314,7 +317,7 @@ impl<L: Ledger> Holder<L> {
     /// as the answer is in hand), record. Run it in a task of its own: it
     /// must not be dropped with a client's connection.
     pub(super) async fn run<S>(
-        self,
+        mut self,
         inner: S,
         request: Request<Body>,
         reply: impl FnOnce(Response<Body>) + Send,
@@ -339,17 +342,9 @@ impl<L: Ledger> Holder<L> {
         )));
         self.holders
             .set_stage(&self.claim.key, self.claim.epoch, Stage::Forwarded);
-        let received = tokio::time::timeout(
-            self.deadline,
-            receive(
-                inner,
-                request,
-                self.max_stored_body_bytes,
-                &self.request_id,
-                self.uncertain_hold,
-            ),
-        )
-        .await;
+        let give_up = tokio::time::Instant::now() + self.deadline;
+        let received =
+            tokio::time::timeout_at(give_up, self.receive(inner, request, give_up)).await;
         let (write, response) = received.unwrap_or_else(|_| {
             let problem = match self.in_process {
                 false => Problem::new(Reason::UpstreamTimeout),
@@ -467,65 +462,78 @@ impl<L: Ledger> Holder<L> {
             }
         }
     }
-}
 
-/// Forwards and reads the whole answer: what it means for the record, and
-/// the client's response.
-async fn receive<S>(
-    inner: S,
-    request: Request<Body>,
-    cap: usize,
-    request_id: &str,
-    hold: Duration,
-) -> (Write, Response<Body>)
-where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
-    S::Future: Send,
-{
-    // An in-process handler (the library's use) that panics may have acted
-    // before it did: the outcome is uncertain, never a lost claim.
-    let forwarded = std::panic::AssertUnwindSafe(super::outcome::forward_plain(inner, request));
-    let response = match futures_util::FutureExt::catch_unwind(forwarded).await {
-        Ok(response) => response,
-        Err(_) => {
-            let problem = Problem::new(Reason::HandlerPanicked).logged(
-                "holder",
-                "the inner service panicked; the outcome is uncertain",
-            );
-            return (Write::Uncertain { hold }, problem.into_response());
+    /// Forwards and reads the whole answer: what it means for the record,
+    /// and the client's response. `give_up` bounds it from outside.
+    async fn receive<S>(
+        &mut self,
+        inner: S,
+        request: Request<Body>,
+        give_up: tokio::time::Instant,
+    ) -> (Write, Response<Body>)
+    where
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
+        S::Future: Send,
+    {
+        let hold = self.uncertain_hold;
+        // An in-process handler (the library's use) that panics may have
+        // acted before it did: the outcome is uncertain, never a lost claim.
+        let forwarded = std::panic::AssertUnwindSafe(super::outcome::forward_plain(inner, request));
+        let response = match futures_util::FutureExt::catch_unwind(forwarded).await {
+            Ok(response) => response,
+            Err(_) => {
+                let problem = Problem::new(Reason::HandlerPanicked).logged(
+                    "holder",
+                    "the inner service panicked; the outcome is uncertain",
+                );
+                return (Write::Uncertain { hold }, problem.into_response());
+            }
+        };
+        match response.extensions().get::<ForwardFailure>() {
+            Some(ForwardFailure::NotSent) => return (Write::Release, response),
+            Some(ForwardFailure::Uncertain) => return (Write::Uncertain { hold }, response),
+            None => {}
         }
-    };
-    match response.extensions().get::<ForwardFailure>() {
-        Some(ForwardFailure::NotSent) => return (Write::Release, response),
-        Some(ForwardFailure::Uncertain) => return (Write::Uncertain { hold }, response),
-        None => {}
-    }
-    if !super::outcome::is_stored(response.status()) {
-        return (Write::Release, response);
-    }
-    let (parts, body) = response.into_parts();
-    let (kept, client_body) = match capture(body, cap).await {
-        Captured::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
-        Captured::TooLarge(prefix, rest) => (None, chain(prefix, rest)),
-        Captured::Broken(cause) => {
-            // The upstream answered the head, then broke: it executed, but
-            // the outcome never arrived whole.
-            let problem = Problem::new(Reason::UpstreamBroken)
-                .logged("holder", format!("response body cut: {cause}"));
-            return (Write::Uncertain { hold }, problem.into_response());
+        if !super::outcome::is_stored(response.status()) {
+            return (Write::Release, response);
         }
-    };
-    let stored = StoredResponse {
-        status: parts.status.as_u16(),
-        headers: super::outcome::storable_headers(&parts.headers, kept.is_some()),
-        body_kept: kept.is_some(),
-        body: kept.unwrap_or_default(),
-        request_id: request_id.to_owned(),
-    };
-    (
-        Write::Complete(stored),
-        Response::from_parts(parts, client_body),
-    )
+        let (parts, body) = response.into_parts();
+        // Waiting for answer budget must end well before `give_up`: an
+        // answer in hand is never turned into a timeout.
+        let now = tokio::time::Instant::now();
+        let until = now + CAPTURE_WAIT.min(give_up.saturating_duration_since(now) / 2);
+        let cap = self.max_stored_body_bytes;
+        let (kept, client_body) = match capture(body, cap, &mut self.share, until).await {
+            Captured::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
+            Captured::TooLarge(prefix, rest) => (None, chain(prefix, rest)),
+            Captured::NoRoom(prefix, rest) => {
+                tracing::warn!(
+                    route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
+                    epoch = self.claim.epoch, kept_bytes = self.share.bytes(),
+                    "answer passed on without keeping its body: server.max_captured_bytes are held by answers awaiting their record"
+                );
+                (None, chain(prefix, rest))
+            }
+            Captured::Broken(cause) => {
+                // The upstream answered the head, then broke: it executed,
+                // but the outcome never arrived whole.
+                let problem = Problem::new(Reason::UpstreamBroken)
+                    .logged("holder", format!("response body cut: {cause}"));
+                return (Write::Uncertain { hold }, problem.into_response());
+            }
+        };
+        let stored = StoredResponse {
+            status: parts.status.as_u16(),
+            headers: super::outcome::storable_headers(&parts.headers, kept.is_some()),
+            body_kept: kept.is_some(),
+            body: kept.unwrap_or_default(),
+            request_id: self.request_id.clone(),
+        };
+        (
+            Write::Complete(stored),
+            Response::from_parts(parts, client_body),
+        )
+    }
 }
 
 /// Renews the lease every third of its length until aborted, or until the
@@ -643,6 +651,7 @@ mod tests {
             deadline,
             uncertain_hold: Duration::from_secs(2),
             max_stored_body_bytes: 1024,
+            share: AnswerShare::unbounded(),
             layer: "test",
             in_process: false,
             claimed_at: Instant::now(),

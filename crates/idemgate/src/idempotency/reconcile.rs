@@ -22,6 +22,7 @@ use futures_util::future::BoxFuture;
 use http::Response;
 use idemgate_store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
 
+use super::body::AnswerShare;
 use super::stable_key::{StableKey, stable_key};
 
 /// What the upstream's status endpoint said.
@@ -43,20 +44,22 @@ pub trait Reconcile: Send + Sync + 'static {
 }
 
 /// A status endpoint's `200`, read whole within `deadline` as the outcome
-/// to store (without its body past `cap`).
+/// to store (without its body past `cap`, or past what `share` can hold).
 pub(crate) async fn stored_answer(
     answer: Response<Body>,
     request_id: &str,
     cap: usize,
     deadline: Duration,
+    share: &mut AnswerShare,
 ) -> Result<StoredResponse, String> {
     let (parts, body) = answer.into_parts();
-    let captured = tokio::time::timeout(deadline, super::body::capture(body, cap))
+    let until = tokio::time::Instant::now() + (deadline / 2).min(super::body::CAPTURE_WAIT);
+    let captured = tokio::time::timeout(deadline, super::body::capture(body, cap, share, until))
         .await
         .map_err(|_| "the status endpoint's body did not arrive in time".to_owned())?;
     let body = match captured {
         super::body::Captured::Whole(bytes) => Some(bytes),
-        super::body::Captured::TooLarge(..) => None,
+        super::body::Captured::TooLarge(..) | super::body::Captured::NoRoom(..) => None,
         super::body::Captured::Broken(cause) => return Err(cause),
     };
     Ok(StoredResponse {
@@ -108,7 +111,10 @@ pub async fn reconcile_uncertain(
         Reconciled::NotRun => Ok(Reconciliation::NotRun),
         Reconciled::Unknown(why) => Ok(Reconciliation::Failed(why)),
         Reconciled::Ran(answer) => {
-            let stored = match stored_answer(answer, request_id, cap, deadline).await {
+            // An operator's action, one request at a time: not counted
+            // against the claims' answer budget.
+            let mut share = AnswerShare::unbounded();
+            let stored = match stored_answer(answer, request_id, cap, deadline, &mut share).await {
                 Ok(stored) => stored,
                 Err(why) => return Ok(Reconciliation::Failed(why)),
             };
