@@ -70,7 +70,7 @@ reasons! {
     BadRequestBody = ("bad-request-body", StatusCode::BAD_REQUEST, "The request body could not be read"),
     BodyTimeout = ("body-timeout", StatusCode::REQUEST_TIMEOUT, "The request body did not arrive in time"),
     BodyTooLarge = ("body-too-large", StatusCode::PAYLOAD_TOO_LARGE, "The request body is larger than the gateway accepts"),
-    BuffersExhausted = ("buffers-exhausted", StatusCode::SERVICE_UNAVAILABLE, "The gateway holds as many request bodies as it may"),
+    BuffersExhausted = ("buffers-exhausted", StatusCode::SERVICE_UNAVAILABLE, "The gateway holds as many request bodies or answers as it may"),
     BusinessKeyInvalid = ("business-key-invalid", StatusCode::BAD_REQUEST, "The callback's business key cannot be read"),
     BusinessKeyMissing = ("business-key-missing", StatusCode::BAD_REQUEST, "The callback carries no business key"),
     BusinessKeyReused = ("business-key-reused", StatusCode::UNPROCESSABLE_ENTITY, "This business key was delivered before with different must_match fields"),

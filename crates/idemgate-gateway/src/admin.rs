@@ -46,6 +46,8 @@ pub struct AdminState {
     pub reconcilers: Arc<Reconcilers>,
     /// Answers larger than this are recorded without their body.
     pub max_stored_body_bytes: usize,
+    /// What answers being recorded may hold (`server.max_captured_bytes`).
+    pub answer_budget: idemgate::idempotency::answer::AnswerBudget,
 }
 
 /// Each route with a `reconcile_path`: its status endpoint, and how long
@@ -324,6 +326,7 @@ async fn reconcile_record(
         reconcile.as_ref(),
         &record,
         state.max_stored_body_bytes,
+        &state.answer_budget,
         *deadline,
     )
     .await;

@@ -38,7 +38,7 @@ const DEFAULT_MAX_BODY_BYTES: u64 = 1024 * 1024;
 /// `server.max_buffered_bytes`: 256 bodies of the default largest size.
 const DEFAULT_MAX_BUFFERED_BYTES: u64 = 256 * 1024 * 1024;
 /// `server.max_captured_bytes`: the reserves of 4,096 claims.
-const DEFAULT_MAX_CAPTURED_BYTES: u64 = idemgate::idempotency::body::DEFAULT_MAX_CAPTURED_BYTES;
+const DEFAULT_MAX_CAPTURED_BYTES: u64 = idemgate::idempotency::answer::DEFAULT_MAX_CAPTURED_BYTES;
 const DEFAULT_HEADER_READ_TIMEOUT: &str = "10s";
 const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 const DEFAULT_BODY_READ_TIMEOUT: &str = "30s";
@@ -185,8 +185,8 @@ pub struct ServerConfig {
     pub max_buffered_bytes: u64,
     /// Bytes of upstream answers held across the process until their
     /// record is written. Each claim reserves 64 KiB of it before it is
-    /// made (past it `503 buffers-exhausted`); a larger answer that finds
-    /// no room within a second is passed on and recorded without its body.
+    /// made (full: `503 buffers-exhausted`); a larger answer waits at most
+    /// a second for room, then is kept past it.
     #[serde(default = "default_max_captured_bytes")]
     pub max_captured_bytes: u64,
     /// Threads serving the public listener, each with its own event loop

@@ -53,6 +53,7 @@ use idemgate_core::metrics::Metrics;
 use idemgate_store::{Store, StoreOptions};
 
 use crate::callback::{KeySource, SignatureScheme, SignatureSpec, Verifier};
+use crate::idempotency::answer::AnswerBudget;
 use crate::idempotency::body::BodyBudget;
 use crate::idempotency::{Engine, EngineSettings, Holders};
 use crate::token::TokenKeys;
@@ -77,7 +78,7 @@ pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 256 * 1024 * 1024;
 /// Bytes of handlers' answers the layers hold until their records are
 /// written; each claim reserves 64 KiB of it before it is made (past this a
 /// request is `503 buffers-exhausted`).
-pub use crate::idempotency::body::DEFAULT_MAX_CAPTURED_BYTES;
+pub use crate::idempotency::answer::DEFAULT_MAX_CAPTURED_BYTES;
 /// The default lifetime of a `/token` token.
 pub const DEFAULT_TOKEN_TTL: Duration = Duration::from_secs(600);
 /// The default signature tolerance of timestamped schemes (Stripe's).
@@ -229,7 +230,7 @@ impl Builder {
                 keys: Arc::new(keys),
                 budget: ClaimBudget::new(DEFAULT_MAX_CLAIMS),
                 body_budget: BodyBudget::new(DEFAULT_MAX_BUFFERED_BYTES),
-                answer_budget: BodyBudget::new(DEFAULT_MAX_CAPTURED_BYTES),
+                answer_budget: AnswerBudget::new(DEFAULT_MAX_CAPTURED_BYTES),
                 settings: self,
                 _sweeper: AbortOnDrop(sweeper),
             }),
@@ -260,7 +261,7 @@ struct Shared {
     body_budget: BodyBudget,
     /// Handlers' answers held until their record is written, across every
     /// layer.
-    answer_budget: BodyBudget,
+    answer_budget: AnswerBudget,
     _sweeper: AbortOnDrop,
 }
 

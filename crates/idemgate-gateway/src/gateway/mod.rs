@@ -280,7 +280,7 @@ struct Shared {
     /// The process's buffered request bodies.
     body_budget: idemgate::idempotency::body::BodyBudget,
     /// The process's answers held until their record is written.
-    answer_budget: idemgate::idempotency::body::BodyBudget,
+    answer_budget: idemgate::idempotency::answer::AnswerBudget,
     /// The admin API's bearer token.
     admin_token: Option<crate::config::AdminToken>,
     /// The default cap on an upstream's HTTP/1.1 connections (the
@@ -335,7 +335,7 @@ impl Shared {
             body_budget: idemgate::idempotency::body::BodyBudget::new(
                 config.server.max_buffered_bytes,
             ),
-            answer_budget: idemgate::idempotency::body::BodyBudget::new(
+            answer_budget: idemgate::idempotency::answer::AnswerBudget::new(
                 config.server.max_captured_bytes,
             ),
             // One limit for the process, not one per worker.
@@ -355,6 +355,7 @@ fn admin_state(shared: &Shared, store: &Store) -> crate::admin::AdminState {
         token: shared.admin_token.clone(),
         reconcilers: Arc::new(routes::reconcilers(shared)),
         max_stored_body_bytes: shared.config.store.max_stored_body_bytes,
+        answer_budget: shared.answer_budget.clone(),
     }
 }
 

@@ -51,7 +51,8 @@ use idemgate_store::{Claim, RecordKey, StoreError, StoredResponse};
 use tracing::Instrument;
 
 use super::IDEMPOTENCY_KEY;
-use super::body::{AnswerShare, BodyError, read_and_fingerprint};
+use super::answer::{AnswerBudget, AnswerShare};
+use super::body::{BodyError, read_and_fingerprint};
 use super::expires::set_expires;
 use super::holder::{Claimed, Holder, Holders, Outcome as Published};
 use super::outcome::{forward_plain, replay};
@@ -156,7 +157,7 @@ pub struct EngineSettings {
     pub body_budget: super::body::BodyBudget,
     /// The process's answers held until their record is written
     /// (`server.max_captured_bytes`).
-    pub answer_budget: super::body::BodyBudget,
+    pub answer_budget: AnswerBudget,
     /// The inner service is a handler in this process (the library), not
     /// an upstream: what a client is told when it does not answer in time.
     pub in_process: bool,

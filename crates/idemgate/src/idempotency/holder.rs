@@ -28,7 +28,8 @@ use tokio::sync::{Notify, watch};
 use tower::Service;
 
 use super::ForwardFailure;
-use super::body::{AnswerShare, CAPTURE_WAIT, Captured, capture, chain};
+use super::answer::{AnswerShare, CAPTURE_WAIT, Captured, capture};
+use super::body::chain;
 use super::expires::set_expires;
 use super::verdict::Verdict;
 use idemgate_core::error::{Problem, Reason};
@@ -498,22 +499,14 @@ impl<L: Ledger> Holder<L> {
             return (Write::Release, response);
         }
         let (parts, body) = response.into_parts();
-        // Waiting for answer budget must end well before `give_up`: an
-        // answer in hand is never turned into a timeout.
+        // Waiting for room in the answer budget ends well before
+        // `give_up`: an answer in hand is never turned into a timeout.
         let now = tokio::time::Instant::now();
         let until = now + CAPTURE_WAIT.min(give_up.saturating_duration_since(now) / 2);
         let cap = self.max_stored_body_bytes;
         let (kept, client_body) = match capture(body, cap, &mut self.share, until).await {
             Captured::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
             Captured::TooLarge(prefix, rest) => (None, chain(prefix, rest)),
-            Captured::NoRoom(prefix, rest) => {
-                tracing::warn!(
-                    route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
-                    epoch = self.claim.epoch, kept_bytes = self.share.bytes(),
-                    "answer passed on without keeping its body: server.max_captured_bytes are held by answers awaiting their record"
-                );
-                (None, chain(prefix, rest))
-            }
             Captured::Broken(cause) => {
                 // The upstream answered the head, then broke: it executed,
                 // but the outcome never arrived whole.
@@ -651,7 +644,7 @@ mod tests {
             deadline,
             uncertain_hold: Duration::from_secs(2),
             max_stored_body_bytes: 1024,
-            share: AnswerShare::unbounded(),
+            share: AnswerShare::empty(&super::super::answer::AnswerBudget::unbounded()),
             layer: "test",
             in_process: false,
             claimed_at: Instant::now(),

@@ -167,7 +167,7 @@ mod tests {
                 reconcile: None,
                 budget: idemgate_core::budget::ClaimBudget::unbounded(),
                 body_budget: crate::idempotency::body::BodyBudget::unbounded(),
-                answer_budget: crate::idempotency::body::BodyBudget::unbounded(),
+                answer_budget: crate::idempotency::answer::AnswerBudget::unbounded(),
                 in_process: true,
                 keep_alive: None,
             },

@@ -15,6 +15,7 @@
 //! - release, uncertain, completion: [`holder`], from the forward's outcome,
 //!   in a task of its own that the client cannot cancel.
 
+pub mod answer;
 pub mod body;
 pub mod engine;
 mod expires;

@@ -22,7 +22,7 @@ use futures_util::future::BoxFuture;
 use http::Response;
 use idemgate_store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
 
-use super::body::AnswerShare;
+use super::answer::{AnswerBudget, AnswerShare, CAPTURE_WAIT, Captured, capture};
 use super::stable_key::{StableKey, stable_key};
 
 /// What the upstream's status endpoint said.
@@ -44,7 +44,7 @@ pub trait Reconcile: Send + Sync + 'static {
 }
 
 /// A status endpoint's `200`, read whole within `deadline` as the outcome
-/// to store (without its body past `cap`, or past what `share` can hold).
+/// to store (without its body past `cap`), counted in `share`.
 pub(crate) async fn stored_answer(
     answer: Response<Body>,
     request_id: &str,
@@ -53,14 +53,14 @@ pub(crate) async fn stored_answer(
     share: &mut AnswerShare,
 ) -> Result<StoredResponse, String> {
     let (parts, body) = answer.into_parts();
-    let until = tokio::time::Instant::now() + (deadline / 2).min(super::body::CAPTURE_WAIT);
-    let captured = tokio::time::timeout(deadline, super::body::capture(body, cap, share, until))
+    let until = tokio::time::Instant::now() + (deadline / 2).min(CAPTURE_WAIT);
+    let captured = tokio::time::timeout(deadline, capture(body, cap, share, until))
         .await
         .map_err(|_| "the status endpoint's body did not arrive in time".to_owned())?;
     let body = match captured {
-        super::body::Captured::Whole(bytes) => Some(bytes),
-        super::body::Captured::TooLarge(..) | super::body::Captured::NoRoom(..) => None,
-        super::body::Captured::Broken(cause) => return Err(cause),
+        Captured::Whole(bytes) => Some(bytes),
+        Captured::TooLarge(..) => None,
+        Captured::Broken(cause) => return Err(cause),
     };
     Ok(StoredResponse {
         status: parts.status.as_u16(),
@@ -97,6 +97,7 @@ pub async fn reconcile_uncertain(
     reconcile: &dyn Reconcile,
     key: &RecordKey,
     cap: usize,
+    budget: &AnswerBudget,
     deadline: Duration,
 ) -> Result<Reconciliation, StoreError> {
     let Some(record) = store.get(key).await? else {
@@ -111,9 +112,9 @@ pub async fn reconcile_uncertain(
         Reconciled::NotRun => Ok(Reconciliation::NotRun),
         Reconciled::Unknown(why) => Ok(Reconciliation::Failed(why)),
         Reconciled::Ran(answer) => {
-            // An operator's action, one request at a time: not counted
-            // against the claims' answer budget.
-            let mut share = AnswerShare::unbounded();
+            // Not a claim: nothing reserved, the answer is counted as it
+            // arrives.
+            let mut share = AnswerShare::empty(budget);
             let stored = match stored_answer(answer, request_id, cap, deadline, &mut share).await {
                 Ok(stored) => stored,
                 Err(why) => return Ok(Reconciliation::Failed(why)),
