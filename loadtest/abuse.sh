@@ -9,10 +9,15 @@
 #
 #   loadtest/abuse.sh [SECONDS_PER_SCENARIO] [LEGIT_RATE]
 #
-# ONLY_BIG=1: the quiet run and the big answers only. MEMORY_LAYER_BYTES,
+# ONLY=hangup|resets|slowloris|big: the quiet run and that abuse only (with
+# LEGIT_TRACE=FILE, the legitimate client's requests beside it); BIG_COUNT: how many
+# one-megabyte answers (600; RSS must not grow with it). MEMORY_LAYER_BYTES,
 # MAX_STORED_BODY_BYTES: the store's keys of those names (a small
 # max_stored_body_bytes separates the cost of storing answers from the
-# cost of carrying them). NOFILE: the descriptor limit.
+# cost of carrying them). NOFILE: the descriptor limit. With nginx on PATH
+# (loadtest/run.sh installs it), the quiet run and the big answers are
+# also measured through nginx in front of the same demo upstream: what
+# carrying the answers costs a proxy that stores nothing. NGINX=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The build measured: the commit, "-dirty" when code (not these results)
@@ -132,14 +137,59 @@ PY
 }
 
 scenario "quiet"
-[ -n "${ONLY_BIG:-}" ] || {
-scenario "hang-up storm (3,000)" "$CLIENT" hangup "127.0.0.1:$GW" 3000 500
-scenario "HEADERS+RST flood (600, one h2c connection)" "$CLIENT" resets "127.0.0.1:$GW" 600 2000
-scenario "slow-loris HTTP/1.1 (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h1
-scenario "slow-loris h2c (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h2
+# The legitimate client and an abuse through nginx (which stores nothing)
+# in front of the same upstream: name, port, abuse-command...
+nginx_scenario() {
+  local name=$1 port=$2; shift 2
+  "$CLIENT" legit "http://127.0.0.1:$port/actions/legit" "$RATE" "$SECS" > "$WORK/legit.json" &
+  local legit=$!
+  sleep 0.5
+  local abuse='{}'
+  if [ $# -gt 0 ]; then abuse=$("$@" 2>/dev/null || echo '{}'); fi
+  wait "$legit"
+  sleep 2
+  python3 - "$name" "$WORK/legit.json" "$abuse" >> "$WORK/nginx.md" <<'PY'
+import json, sys
+name, legit, abuse = sys.argv[1:]
+l = json.load(open(legit))
+print(f"| {name} | {l['p50_ms']} | {l['p99_ms']} | {l['errors']} / {l['ok'] + l['errors']} | {abuse} |")
+PY
 }
+
+# Whether the abuse named $1 runs (ONLY unset: all of them).
+wanted() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
+! wanted hangup || scenario "hang-up storm (3,000)" "$CLIENT" hangup "127.0.0.1:$GW" 3000 500
+! wanted resets || scenario "HEADERS+RST flood (600, one h2c connection)" "$CLIENT" resets "127.0.0.1:$GW" 600 2000
+! wanted slowloris || scenario "slow-loris HTTP/1.1 (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h1
+! wanted slowloris || scenario "slow-loris h2c (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h2
 # Last: the allocator keeps some of what it held for the others to see.
-scenario "big answers (600 × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions/big" 600 1000000
+! wanted big || scenario "big answers (${BIG_COUNT:-600} × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions/big" "${BIG_COUNT:-600}" 1000000
+
+if wanted big && [ "${NGINX:-1}" != 0 ] && command -v nginx >/dev/null; then
+  NGX=$(free_port)
+  mkdir -p "$WORK/nginx"
+  cat > "$WORK/nginx/nginx.conf" <<NGINX
+worker_processes 2;
+daemon off;
+error_log $WORK/nginx/error.log warn;
+pid $WORK/nginx/nginx.pid;
+events { worker_connections 1024; multi_accept off; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx/body; proxy_temp_path $WORK/nginx/proxy;
+  fastcgi_temp_path $WORK/nginx/f; uwsgi_temp_path $WORK/nginx/u; scgi_temp_path $WORK/nginx/s;
+  upstream demo { server 127.0.0.1:$UP; keepalive 64; }
+  server {
+    listen 127.0.0.1:$NGX;
+    location / { proxy_pass http://demo; proxy_http_version 1.1; proxy_set_header Connection ""; }
+  }
+}
+NGINX
+  nginx -c "$WORK/nginx/nginx.conf" >"$WORK/nginx/out.log" 2>&1 & pids+=($!)
+  wait_up "http://127.0.0.1:$NGX/healthz"
+  nginx_scenario "quiet" "$NGX"
+  nginx_scenario "big answers (${BIG_COUNT:-600} × 1 MB)" "$NGX" "$CLIENT" big "http://127.0.0.1:$NGX/actions/big" "${BIG_COUNT:-600}" 1000000
+fi
 
 {
   echo "# Abuse beside a legitimate client ($(date -u +%Y-%m-%d), $REV)"
@@ -149,5 +199,13 @@ scenario "big answers (600 × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions
   echo "| scenario | peak upstream in flight | peak descriptors | RSS MiB peak / end | legit p50 ms | legit p99 ms | legit errors | machine CPU busy | abuser |"
   echo "|---|---|---|---|---|---|---|---|---|"
   cat "$WORK/table.md"
+  if [ -s "$WORK/nginx.md" ]; then
+    echo
+    echo "The same legitimate client through nginx (2 workers, upstream keep-alive; it stores nothing) in front of the same demo upstream:"
+    echo
+    echo "| scenario | legit p50 ms | legit p99 ms | legit errors | abuser |"
+    echo "|---|---|---|---|---|"
+    cat "$WORK/nginx.md"
+  fi
 } | tee "loadtest/results/abuse-$STORE.md"
-grep -c "Too many open files" "$WORK/gateway.log" | sed 's/^/EMFILE lines in the gateway log: /'
+{ grep -c "Too many open files" "$WORK/gateway.log" || true; } | sed "s/^/EMFILE lines in the gateway log: /"
