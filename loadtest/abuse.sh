@@ -106,17 +106,26 @@ sample() {
 # Busy and total jiffies of the whole machine (all cores).
 cpu() { awk '/^cpu / {busy=$2+$3+$4+$7+$8; total=busy+$5+$6; print busy, total}' /proc/stat; }
 
+# The legitimate client against 127.0.0.1:$1 and, half a second in, the
+# abuse command that follows (none: a quiet run); the abuser's summary
+# goes to ABUSE.
+beside() {
+  local port=$1; shift
+  "$CLIENT" legit "http://127.0.0.1:$port/actions/legit" "$RATE" "$SECS" > "$WORK/legit.json" &
+  local legit=$!
+  sleep 0.5
+  ABUSE='{}'
+  if [ $# -gt 0 ]; then ABUSE=$("$@" 2>/dev/null || echo '{}'); fi
+  wait "$legit"
+}
+
 scenario() { # name abuse-command...
   local name=$1; shift
   curl -s -X POST "http://127.0.0.1:$UP/reset" >/dev/null
   local cpu_before; cpu_before=$(cpu)
   sample & local sampler=$!
-  "$CLIENT" legit "http://127.0.0.1:$GW/actions/legit" "$RATE" "$SECS" > "$WORK/legit.json" &
-  local legit=$!
-  sleep 0.5
-  local abuse='{}'
-  if [ $# -gt 0 ]; then abuse=$("$@" 2>/dev/null || echo '{}'); fi
-  wait "$legit"
+  beside "$GW" "$@"
+  local abuse=$ABUSE
   local cpu_after; cpu_after=$(cpu)
   local busy; busy=$(echo "$cpu_before $cpu_after" | awk '{printf "%.0f", 100*($3-$1)/($4-$2)}')
   # Let what the abuse left behind finish (and the allocator return what
@@ -141,14 +150,9 @@ scenario "quiet"
 # in front of the same upstream: name, port, abuse-command...
 nginx_scenario() {
   local name=$1 port=$2; shift 2
-  "$CLIENT" legit "http://127.0.0.1:$port/actions/legit" "$RATE" "$SECS" > "$WORK/legit.json" &
-  local legit=$!
-  sleep 0.5
-  local abuse='{}'
-  if [ $# -gt 0 ]; then abuse=$("$@" 2>/dev/null || echo '{}'); fi
-  wait "$legit"
+  beside "$port" "$@"
   sleep 2
-  python3 - "$name" "$WORK/legit.json" "$abuse" >> "$WORK/nginx.md" <<'PY'
+  python3 - "$name" "$WORK/legit.json" "$ABUSE" >> "$WORK/nginx.md" <<'PY'
 import json, sys
 name, legit, abuse = sys.argv[1:]
 l = json.load(open(legit))

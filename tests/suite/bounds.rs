@@ -502,6 +502,15 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
         let all: Vec<(&str, &str)> = all.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         http.send("POST", &url, &all, "{}").await
     };
+    let send = |path: &str, key: &str, headers: &[(&str, &str)]| {
+        let headers = headers.iter().map(|(n, v)| (n.to_string(), v.to_string()));
+        post(
+            stack.http.clone(),
+            stack.url(path),
+            key.to_owned(),
+            headers.collect(),
+        )
+    };
     let slow = |i: usize| {
         tokio::spawn(post(
             support::Http::http1(),
@@ -522,14 +531,7 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
         })
         .await
     );
-    let big = |key: &str| {
-        post(
-            stack.http.clone(),
-            stack.url("/actions/big"),
-            key.to_owned(),
-            vec![("x-demo-response-bytes".into(), "200000".into())],
-        )
-    };
+    let big = |key: &str| send("/actions/big", key, &[("x-demo-response-bytes", "200000")]);
     // A 200 kB answer: its reserve fits, the rest not while they run; it
     // waits for room, then is kept past the budget.
     let first = big("big-1").await;
@@ -540,11 +542,10 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
         "the client gets the whole answer"
     );
     // A 60 kB answer fits its own reserve, whatever else is held.
-    let small = post(
-        stack.http.clone(),
-        stack.url("/actions/small"),
-        "small-1".into(),
-        vec![("x-demo-response-bytes".into(), "60000".into())],
+    let small = send(
+        "/actions/small",
+        "small-1",
+        &[("x-demo-response-bytes", "60000")],
     )
     .await;
     assert_eq!((small.status.as_u16(), small.body.len()), (201, 60_000));
@@ -556,13 +557,7 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
         })
         .await
     );
-    let refused = post(
-        stack.http.clone(),
-        stack.url("/actions/slow"),
-        "slow-8".into(),
-        vec![],
-    )
-    .await;
+    let refused = send("/actions/slow", "slow-8", &[]).await;
     assert_eq!(refused.status, 503);
     assert_eq!(
         refused.problem_type(),
@@ -587,23 +582,11 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!((replay.status.as_u16(), replay.body.len()), (201, 200_000));
     assert_eq!(replay.header("idempotent-body-omitted"), None);
-    let replay = post(
-        stack.http.clone(),
-        stack.url("/actions/small"),
-        "small-1".into(),
-        vec![],
-    )
-    .await;
+    let replay = send("/actions/small", "small-1", &[]).await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.body.len(), 60_000);
     // Everything given back: claims are made again.
-    let again = post(
-        stack.http.clone(),
-        stack.url("/actions/slow"),
-        "slow-8".into(),
-        vec![],
-    )
-    .await;
+    let again = send("/actions/slow", "slow-8", &[]).await;
     assert_eq!(again.status, 201);
     assert_eq!(executions(&stack, "slow"), 9);
     assert_eq!(executions(&stack, "big"), 1);

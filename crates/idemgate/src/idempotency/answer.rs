@@ -280,6 +280,20 @@ mod tests {
         Body::from_stream(futures_util::stream::iter(parts))
     }
 
+    /// The length of an answer kept whole.
+    fn kept(captured: Captured) -> usize {
+        match captured {
+            Captured::Whole(bytes) => bytes.len(),
+            _ => panic!("not kept whole"),
+        }
+    }
+
+    /// The length kept of an answer of `bytes` (of known length) under a
+    /// cap of a megabyte.
+    async fn keep(bytes: usize, share: &mut AnswerShare, until: Instant) -> usize {
+        kept(capture(Body::from(vec![b'x'; bytes]), 1024 * KIB, share, until).await)
+    }
+
     async fn whole(body: Body) -> usize {
         body.collect().await.unwrap().to_bytes().len()
     }
@@ -308,14 +322,16 @@ mod tests {
         let mut b = AnswerShare::reserve(&budget, 1024 * KIB).unwrap();
         let until = Instant::now() + CAPTURE_WAIT;
         let started = Instant::now();
-        match capture(Body::from(vec![b'x'; 60 * KIB]), 1024 * KIB, &mut a, until).await {
-            Captured::Whole(bytes) => assert_eq!(bytes.len(), 60 * KIB),
-            _ => panic!("a small answer was not kept"),
-        }
-        match capture(chunks(&[30 * KIB, 34 * KIB]), 1024 * KIB, &mut b, until).await {
-            Captured::Whole(bytes) => assert_eq!(bytes.len(), 64 * KIB),
-            _ => panic!("a small answer of unknown length was not kept"),
-        }
+        assert_eq!(
+            keep(60 * KIB, &mut a, until).await,
+            60 * KIB,
+            "a small answer was not kept"
+        );
+        assert_eq!(
+            kept(capture(chunks(&[30 * KIB, 34 * KIB]), 1024 * KIB, &mut b, until).await),
+            64 * KIB,
+            "a small answer of unknown length was not kept"
+        );
         assert_eq!(started.elapsed(), Duration::ZERO, "neither waited");
         assert_eq!(budget.held(), 128 * KIB as u64);
     }
@@ -327,17 +343,11 @@ mod tests {
         let mut share = AnswerShare::reserve(&budget, 1024 * KIB).unwrap();
         let started = Instant::now();
         let until = started + CAPTURE_WAIT;
-        match capture(
-            Body::from(vec![b'x'; 100 * KIB]),
-            1024 * KIB,
-            &mut share,
-            until,
-        )
-        .await
-        {
-            Captured::Whole(bytes) => assert_eq!(bytes.len(), 100 * KIB),
-            _ => panic!("an answer in hand was not kept"),
-        }
+        assert_eq!(
+            keep(100 * KIB, &mut share, until).await,
+            100 * KIB,
+            "an answer in hand was not kept"
+        );
         assert_eq!(started.elapsed(), CAPTURE_WAIT, "it waited for room first");
         assert_eq!(budget.held(), 164 * KIB as u64, "past the budget");
         // Meanwhile no claim is made.
@@ -361,10 +371,11 @@ mod tests {
         let until = started + CAPTURE_WAIT;
         // Unknown length: grown chunk by chunk.
         let body = chunks(&[50 * KIB, 50 * KIB]);
-        match capture(body, 1024 * KIB, &mut share, until).await {
-            Captured::Whole(bytes) => assert_eq!(bytes.len(), 100 * KIB),
-            _ => panic!("not kept"),
-        }
+        assert_eq!(
+            kept(capture(body, 1024 * KIB, &mut share, until).await),
+            100 * KIB,
+            "not kept"
+        );
         assert_eq!(started.elapsed(), Duration::from_millis(300));
         assert_eq!(budget.held(), 164 * KIB as u64, "within the budget");
         // While one answer waits, a small one and new claims are not held
@@ -384,17 +395,11 @@ mod tests {
             }
         });
         tokio::task::yield_now().await;
-        match capture(
-            Body::from(vec![b'x'; 10 * KIB]),
-            1024 * KIB,
-            &mut other,
-            until,
-        )
-        .await
-        {
-            Captured::Whole(bytes) => assert_eq!(bytes.len(), 10 * KIB),
-            _ => panic!("not kept"),
-        }
+        assert_eq!(
+            keep(10 * KIB, &mut other, until).await,
+            10 * KIB,
+            "not kept"
+        );
         assert_eq!(started.elapsed(), Duration::from_millis(300));
         let fits = AnswerShare::reserve(&budget, 8 * KIB);
         assert!(fits.is_ok(), "a claim was refused while room was left");
