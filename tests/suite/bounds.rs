@@ -534,7 +534,12 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
     let big = |key: &str| send("/actions/big", key, &[("x-demo-response-bytes", "200000")]);
     // A 200 kB answer: its reserve fits, the rest not while they run; it
     // waits for room, then is kept past the budget.
+    let started = std::time::Instant::now();
     let first = big("big-1").await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "it did not wait for room"
+    );
     assert_eq!(first.status, 201);
     assert_eq!(
         first.body.len(),

@@ -95,7 +95,7 @@ impl Config {
             add(
                 "server.max_captured_bytes".into(),
                 format!(
-                    "{} is below store.max_stored_body_bytes ({}): a largest answer could never be kept",
+                    "{} is below store.max_stored_body_bytes ({}): every largest answer would pass the budget",
                     self.server.max_captured_bytes, self.store.max_stored_body_bytes
                 ),
             );

@@ -20,9 +20,15 @@
 //! - Still without room it is kept all the same: the claim was accepted
 //!   and its answer is in hand, and a stored answer is replayed with its
 //!   body unless it is over the cap. The budget is then passed only by
-//!   claims made while it had room, and no new claim is made until it has
-//!   room again: the held bytes stay below the budget plus, per claim in
-//!   flight, its cap.
+//!   claims made while it had room (and an operator's reconcile action),
+//!   and no new claim is made until it has room again: the held bytes stay
+//!   below the budget plus, per claim in flight, its cap. While it is full,
+//!   what records give back usually goes to new claims' reserves first,
+//!   so a larger answer then waits the whole wait.
+//!
+//! Counted are answer bytes, not allocations: a body of unknown length
+//! grows its buffer by doubling and may hold up to twice its length for a
+//! moment.
 //!
 //! Counted in bytes with an atomic rather than a semaphore: a semaphore's
 //! waiters take the permits given back in turn, so one answer waiting for
@@ -189,8 +195,8 @@ impl AnswerShare {
     }
 
     /// Gives back what the share took beyond its reserve (an answer that
-    /// will not be kept).
-    fn shrink(&mut self) {
+    /// will not be kept: over the cap, broken, or given up on).
+    pub(super) fn shrink(&mut self) {
         let extra = self.bytes - self.reserve;
         if extra > 0 {
             self.bytes = self.reserve;
@@ -248,7 +254,10 @@ pub async fn capture(
                 }
                 return Captured::Whole(buffer.freeze());
             }
-            Some(Err(e)) => return Captured::Broken(e.to_string()),
+            Some(Err(e)) => {
+                share.shrink();
+                return Captured::Broken(e.to_string());
+            }
             Some(Ok(frame)) => {
                 let Ok(data) = frame.into_data() else {
                     continue; // trailers are not stored
@@ -407,6 +416,24 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_broken_answer_gives_back_what_it_took() {
+        let budget = AnswerBudget::new(256 * KIB as u64);
+        let mut share = AnswerShare::reserve(&budget, 1024 * KIB).unwrap();
+        let parts: Vec<Result<Bytes, std::io::Error>> = vec![
+            Ok(Bytes::from(vec![b'a'; 40 * KIB])),
+            Ok(Bytes::from(vec![b'a'; 40 * KIB])),
+            Err(std::io::Error::other("connection reset")),
+        ];
+        let body = Body::from_stream(futures_util::stream::iter(parts));
+        let until = Instant::now() + CAPTURE_WAIT;
+        assert!(matches!(
+            capture(body, 1024 * KIB, &mut share, until).await,
+            Captured::Broken(_)
+        ));
+        assert_eq!(budget.held(), ANSWER_RESERVE_BYTES as u64);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn an_answer_over_the_cap_takes_nothing_past_its_reserve() {
         let budget = AnswerBudget::new(128 * KIB as u64);
         let mut share = AnswerShare::reserve(&budget, 100 * KIB).unwrap();
@@ -428,14 +455,16 @@ mod tests {
             }
             _ => panic!("kept over the cap"),
         }
-        // Unknown length: what was read goes on, the growth is given back.
-        let body = chunks(&[60 * KIB, 60 * KIB, 60 * KIB]);
+        // Unknown length: the second chunk grows the share past its
+        // reserve, the third passes the cap; what was read goes on, the
+        // growth is given back.
+        let body = chunks(&[40 * KIB, 40 * KIB, 40 * KIB]);
         match capture(body, 100 * KIB, &mut share, Instant::now()).await {
             Captured::TooLarge(prefix, rest) => {
                 assert_eq!(prefix.len(), 120 * KIB);
                 assert_eq!(
                     whole(super::super::body::chain(prefix, rest)).await,
-                    180 * KIB
+                    120 * KIB
                 );
             }
             _ => panic!("kept over the cap"),

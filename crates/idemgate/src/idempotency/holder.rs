@@ -347,6 +347,8 @@ impl<L: Ledger> Holder<L> {
         let received =
             tokio::time::timeout_at(give_up, self.receive(inner, request, give_up)).await;
         let (write, response) = received.unwrap_or_else(|_| {
+            // What the answer took of the budget is not kept.
+            self.share.shrink();
             let problem = match self.in_process {
                 false => Problem::new(Reason::UpstreamTimeout),
                 true => Problem::new(Reason::HandlerTimeout),
