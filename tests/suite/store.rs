@@ -180,6 +180,54 @@ async fn concurrent_claims_have_one_winner(backend: Backend, test: &str) {
     assert_eq!((won, in_flight), (1, 199), "{backend:?}");
 }
 
+/// A burst of claims and completions is written as batches of many rows
+/// (SQLite: multi-row statements of 64, 16, 4 and 1 rows): each key,
+/// claimed twice at once, has one winner; each completion lands on its own
+/// record, and one with a stale epoch is refused, however the batches cut.
+async fn a_burst_is_written_row_by_row_correctly(backend: Backend, test: &str) {
+    let Some(o) = open(backend, test, LONG, LONG).await else {
+        return;
+    };
+    let keys: Vec<RecordKey> = (0..150).map(|i| key(&format!("burst-{i}"))).collect();
+    let claims = keys.iter().chain(&keys).map(|k| {
+        let (store, k) = (o.store.clone(), k.clone());
+        tokio::spawn(async move { (k.clone(), store.claim(&k, "fp", "rid").await.unwrap()) })
+    });
+    let mut epochs = std::collections::HashMap::new();
+    for claimed in futures_util::future::join_all(claims).await {
+        let (k, claim) = claimed.unwrap();
+        match claim {
+            Claim::Won { epoch, .. } => assert!(epochs.insert(k, epoch).is_none(), "two winners"),
+            Claim::InFlight { .. } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(epochs.len(), 150, "{backend:?}");
+    let completions = epochs.iter().map(|(k, epoch)| {
+        let (store, k, epoch) = (o.store.clone(), k.clone(), *epoch);
+        let body: &'static str = Box::leak(format!("{{\"key\":\"{}\"}}", k.key).into_boxed_str());
+        tokio::spawn(async move { store.complete(&k, epoch, "fp", &response(body), 0).await })
+    });
+    let stale = {
+        let (store, k, epoch) = (o.store.clone(), keys[0].clone(), epochs[&keys[0]]);
+        tokio::spawn(async move {
+            store
+                .complete(&k, epoch - 1, "fp", &response("{}"), 0)
+                .await
+        })
+    };
+    let (done, stale) = tokio::join!(futures_util::future::join_all(completions), stale);
+    assert!(done.into_iter().all(|d| d.unwrap().unwrap()), "{backend:?}");
+    assert!(!stale.unwrap().unwrap(), "a stale epoch was accepted");
+    for k in &keys {
+        let stored = completed(o.store.claim(k, "fp", "rid2").await.unwrap());
+        assert_eq!(
+            stored.body,
+            format!("{{\"key\":\"{}\"}}", k.key).into_bytes()
+        );
+    }
+}
+
 /// A second store with a pool of its own on `sql`'s database (another
 /// gateway's, as far as the database can tell).
 async fn another_store_on(sql: &SqlStore, dir: Option<&tempfile::TempDir>) -> SqlStore {
@@ -798,6 +846,7 @@ macro_rules! conformance {
 
 conformance!(
     concurrent_claims_have_one_winner,
+    a_burst_is_written_row_by_row_correctly,
     independent_stores_racing_have_one_winner,
     completed_claims_replay_and_mismatch,
     expired_lease_is_taken_over_and_the_old_holder_fenced,

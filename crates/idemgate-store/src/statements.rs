@@ -425,3 +425,74 @@ impl Statements {
 pub(crate) fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
+
+/// Rows per statement of SQLite's batched writes. A batch is written as a
+/// few multi-row statements of these sizes (largest first) rather than one
+/// statement per row: each statement is a round trip to the connection's
+/// thread, and those round trips, not the database, bounded a batch
+/// (`loadtest/README.md`, first requests). A handful of sizes keeps the
+/// statement cache to a handful of texts.
+#[cfg(feature = "sqlite")]
+pub(super) const SQLITE_ROWS: [usize; 4] = [64, 16, 4, 1];
+
+/// SQLite: claims of `rows` fresh keys in one statement. `?1 lease ms, ?2
+/// retention ms`, then per row `scope, route, key, fingerprint, request
+/// id` → the keys inserted, their epochs and expiries (a key already held,
+/// or twice in the statement, returns no row for the later one).
+#[cfg(feature = "sqlite")]
+pub(super) fn sqlite_claim_rows(rows: usize) -> String {
+    let values: Vec<String> = (0..rows)
+        .map(|r| {
+            let p = 3 + 5 * r;
+            format!(
+                "(?{}, ?{}, ?{}, ?{}, 'in_flight', {SQLITE_EPOCH}, {SQLITE_NOW} + ?1, ?{}, \
+                 {SQLITE_NOW}, {SQLITE_NOW}, {SQLITE_NOW} + ?2, FALSE)",
+                p,
+                p + 1,
+                p + 2,
+                p + 3,
+                p + 4
+            )
+        })
+        .collect();
+    format!(
+        "INSERT INTO idempotency_records \
+         (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, \
+          created_at, updated_at, expires_at, body_kept) VALUES {} \
+         ON CONFLICT (route, idem_key, scope) DO NOTHING \
+         RETURNING scope, route, idem_key, epoch, expires_at",
+        values.join(", ")
+    )
+}
+
+/// SQLite: [`Statements::complete`] for `rows` records in one statement;
+/// per row `scope, route, key, epoch, status, headers, body, body_kept,
+/// request id` → the keys completed, their epochs, the retention left (ms)
+/// and whether a duplicate waits.
+#[cfg(feature = "sqlite")]
+pub(super) fn sqlite_complete_rows(rows: usize) -> String {
+    let values: Vec<String> = (0..rows)
+        .map(|r| {
+            let p = 1 + 9 * r;
+            let params: Vec<String> = (p..p + 9).map(|i| format!("?{i}")).collect();
+            format!("({})", params.join(", "))
+        })
+        .collect();
+    format!(
+        "WITH v (scope, route, idem_key, epoch, status, headers, body, body_kept, request_id) \
+         AS (VALUES {}) \
+         UPDATE idempotency_records SET \
+         state = 'completed', status = v.status, headers = v.headers, body = v.body, \
+         body_kept = v.body_kept, request_id = v.request_id, lease_until = 0, \
+         updated_at = {SQLITE_NOW} \
+         FROM v WHERE idempotency_records.scope = v.scope \
+           AND idempotency_records.route = v.route \
+           AND idempotency_records.idem_key = v.idem_key \
+           AND idempotency_records.epoch = v.epoch \
+           AND idempotency_records.state = 'in_flight' \
+         RETURNING idempotency_records.scope, idempotency_records.route, \
+           idempotency_records.idem_key, idempotency_records.epoch, \
+           idempotency_records.expires_at - {SQLITE_NOW}, idempotency_records.watched",
+        values.join(", ")
+    )
+}

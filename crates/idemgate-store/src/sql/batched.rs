@@ -11,11 +11,14 @@ use sqlx::Row;
 use super::super::codec::encode_headers;
 use super::super::held::HeldConnection;
 use super::super::statements::millis;
+#[cfg(feature = "sqlite")]
+use super::super::statements::{SQLITE_ROWS, sqlite_claim_rows, sqlite_complete_rows};
 use super::super::{RecordKey, StoreError, StoredResponse};
 use super::{Pool, SqlStore, left};
 
 /// The single-claim statement (`claim_insert`) with one claim's
-/// parameters bound, on either database.
+/// parameters bound (Postgres; SQLite writes even one claim as a batch).
+#[cfg(feature = "postgres")]
 macro_rules! bind_claim {
     ($statement:expr, $c:expr, $lease:expr, $retention:expr) => {
         sqlx::query($statement)
@@ -123,25 +126,45 @@ impl SqlStore {
             }
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => {
-                // One write transaction, one fsync, for the whole batch.
-                let statement = self.sql().claim_insert.as_str();
-                self.bounded("claim", async {
-                    let mut conn = pool.acquire().await?;
-                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-                    let mut won = Vec::with_capacity(batch.len());
-                    for c in batch {
-                        let row = bind_claim!(statement, c, lease, retention)
-                            .fetch_optional(&mut *tx)
-                            .await?;
-                        won.push(
-                            row.map(|r| Ok::<_, sqlx::Error>((r.try_get(0)?, r.try_get(1)?)))
-                                .transpose()?,
-                        );
-                    }
-                    tx.commit().await?;
-                    Ok(won)
-                })
-                .await
+                // One write transaction, one fsync, a few statements for
+                // the whole batch; a key twice in it is claimed for its
+                // first job only.
+                let mut seen = std::collections::HashSet::new();
+                let fresh: Vec<bool> = batch.iter().map(|c| seen.insert(&c.key)).collect();
+                let unique: Vec<&NewClaim> = batch
+                    .iter()
+                    .zip(&fresh)
+                    .filter_map(|(c, fresh)| fresh.then_some(c))
+                    .collect();
+                let inserted = self
+                    .bounded("claim", async {
+                        let mut conn = pool.acquire().await?;
+                        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                        let mut inserted = std::collections::HashMap::new();
+                        for (statement, chunk) in sqlite_chunks(&SQLITE_CLAIMS, &unique) {
+                            let mut query = sqlx::query(statement).bind(lease).bind(retention);
+                            for c in chunk {
+                                query = query
+                                    .bind(&c.key.scope)
+                                    .bind(&c.key.route)
+                                    .bind(&c.key.key)
+                                    .bind(&c.fingerprint)
+                                    .bind(&c.request_id);
+                            }
+                            for row in query.fetch_all(&mut *tx).await? {
+                                let won = (row.try_get::<i64, _>(3)?, row.try_get::<i64, _>(4)?);
+                                inserted.insert(sqlite_key(&row)?, won);
+                            }
+                        }
+                        tx.commit().await?;
+                        Ok(inserted)
+                    })
+                    .await?;
+                Ok(batch
+                    .iter()
+                    .zip(fresh)
+                    .map(|(c, fresh)| fresh.then(|| inserted.get(&c.key).copied()).flatten())
+                    .collect())
             }
         }
     }
@@ -189,40 +212,46 @@ impl SqlStore {
             }
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => {
-                // One write transaction, one fsync, for the whole batch.
-                let statement = self.sql().complete.as_str();
-                self.bounded("complete", async {
-                    let mut conn = pool.acquire().await?;
-                    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-                    let mut accepted = Vec::with_capacity(batch.len());
-                    for c in batch {
-                        let headers = encode_headers(&c.response.headers);
-                        let row = sqlx::query(statement)
-                            .bind(&c.key.scope)
-                            .bind(&c.key.route)
-                            .bind(&c.key.key)
-                            .bind(c.epoch)
-                            .bind(i32::from(c.response.status))
-                            .bind(&headers)
-                            .bind(c.response.body.as_ref())
-                            .bind(c.response.body_kept)
-                            .bind(&c.response.request_id)
-                            .fetch_optional(&mut *tx)
-                            .await?;
-                        accepted.push(
-                            row.map(|r| {
-                                Ok::<_, sqlx::Error>((
-                                    left(r.try_get(0)?),
-                                    r.try_get::<bool, _>(1)?,
-                                ))
-                            })
-                            .transpose()?,
-                        );
-                    }
-                    tx.commit().await?;
-                    Ok(accepted)
-                })
-                .await
+                // One write transaction, one fsync, a few statements for
+                // the whole batch. Each row is fenced by its epoch, and
+                // answered by key and epoch.
+                let items: Vec<(&Completion, Vec<u8>)> = batch
+                    .iter()
+                    .map(|c| (c, encode_headers(&c.response.headers)))
+                    .collect();
+                let done = self
+                    .bounded("complete", async {
+                        let mut conn = pool.acquire().await?;
+                        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                        let mut done = std::collections::HashMap::new();
+                        for (statement, chunk) in sqlite_chunks(&SQLITE_COMPLETIONS, &items) {
+                            let mut query = sqlx::query(statement);
+                            for (c, headers) in chunk {
+                                query = query
+                                    .bind(&c.key.scope)
+                                    .bind(&c.key.route)
+                                    .bind(&c.key.key)
+                                    .bind(c.epoch)
+                                    .bind(i32::from(c.response.status))
+                                    .bind(headers)
+                                    .bind(c.response.body.as_ref())
+                                    .bind(c.response.body_kept)
+                                    .bind(&c.response.request_id);
+                            }
+                            for row in query.fetch_all(&mut *tx).await? {
+                                let settled = (left(row.try_get(4)?), row.try_get::<bool, _>(5)?);
+                                let epoch = row.try_get::<i64, _>(3)?;
+                                done.insert((sqlite_key(&row)?, epoch), settled);
+                            }
+                        }
+                        tx.commit().await?;
+                        Ok(done)
+                    })
+                    .await?;
+                Ok(batch
+                    .iter()
+                    .map(|c| done.get(&(c.key.clone(), c.epoch)).copied())
+                    .collect())
             }
         }
     }
@@ -303,6 +332,53 @@ impl PgColumns {
 /// The record a batched `… RETURNING scope, route, idem_key` row names.
 #[cfg(feature = "postgres")]
 fn returned_key(row: &sqlx::postgres::PgRow) -> Result<RecordKey, sqlx::Error> {
+    Ok(RecordKey {
+        scope: row.try_get(0)?,
+        route: row.try_get(1)?,
+        key: row.try_get(2)?,
+    })
+}
+
+/// SQLite's multi-row claim statements, by rows (`SQLITE_ROWS`).
+#[cfg(feature = "sqlite")]
+static SQLITE_CLAIMS: std::sync::LazyLock<Vec<(usize, String)>> = std::sync::LazyLock::new(|| {
+    SQLITE_ROWS
+        .iter()
+        .map(|&rows| (rows, sqlite_claim_rows(rows)))
+        .collect()
+});
+
+/// SQLite's multi-row completion statements, by rows (`SQLITE_ROWS`).
+#[cfg(feature = "sqlite")]
+static SQLITE_COMPLETIONS: std::sync::LazyLock<Vec<(usize, String)>> =
+    std::sync::LazyLock::new(|| {
+        SQLITE_ROWS
+            .iter()
+            .map(|&rows| (rows, sqlite_complete_rows(rows)))
+            .collect()
+    });
+
+/// `items` cut into runs the sizes of `statements` (largest first), each
+/// with the statement that writes it.
+#[cfg(feature = "sqlite")]
+fn sqlite_chunks<'a, T>(
+    statements: &'static [(usize, String)],
+    mut items: &'a [T],
+) -> Vec<(&'static str, &'a [T])> {
+    let mut runs = Vec::new();
+    for (rows, statement) in statements {
+        while items.len() >= *rows {
+            let (run, rest) = items.split_at(*rows);
+            runs.push((statement.as_str(), run));
+            items = rest;
+        }
+    }
+    runs
+}
+
+/// The key a SQLite `RETURNING scope, route, idem_key, …` row names.
+#[cfg(feature = "sqlite")]
+fn sqlite_key(row: &sqlx::sqlite::SqliteRow) -> Result<RecordKey, sqlx::Error> {
     Ok(RecordKey {
         scope: row.try_get(0)?,
         route: row.try_get(1)?,
