@@ -35,7 +35,8 @@ macro_rules! bind_claim {
 impl SqlStore {
     /// The fresh-key half of a claim, for many keys at once: one statement
     /// (Postgres: `idempotency_claim` over arrays) or one SQLite
-    /// transaction of `INSERT … ON CONFLICT DO NOTHING` (one commit). The epoch and expiry
+    /// transaction of multi-row `INSERT … ON CONFLICT DO NOTHING` (one
+    /// commit, a statement per run of `SQLITE_ROWS`). The epoch and expiry
     /// where the row was inserted, i.e. the claim was won. A key twice in one batch
     /// is inserted for its first job only; the second then meets the row
     /// like any duplicate.
