@@ -330,7 +330,8 @@ impl Statements {
                            request_id) \
                  WHERE r.scope = v.scope AND r.route = v.route AND r.idem_key = v.idem_key \
                    AND r.epoch = v.epoch AND r.state = 'in_flight' \
-                 RETURNING r.scope, r.route, r.idem_key, r.expires_at - {now}, r.watched",
+                 RETURNING r.scope, r.route, r.idem_key, r.epoch, r.expires_at - {now}, \
+                           r.watched",
             ),
             set_state: fill_tomb(
                 "UPDATE idempotency_records SET state = $5, \

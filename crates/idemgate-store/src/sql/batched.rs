@@ -200,16 +200,21 @@ impl SqlStore {
                         "complete",
                         self.on_batch_connection(pool, held, async move |conn| {
                             let rows = query.fetch_all(conn).await?;
+                            // By key and epoch: a stale holder's completion
+                            // beside the live one's must not take its answer.
                             rows.iter()
                                 .map(|row| {
-                                    let done = (left(row.try_get(3)?), row.try_get::<bool, _>(4)?);
-                                    Ok((returned_key(row)?, done))
+                                    let done = (left(row.try_get(4)?), row.try_get::<bool, _>(5)?);
+                                    Ok(((returned_key(row)?, row.try_get::<i64, _>(3)?), done))
                                 })
                                 .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()
                         }),
                     )
                     .await?;
-                Ok(batch.iter().map(|c| done.get(&c.key).copied()).collect())
+                Ok(batch
+                    .iter()
+                    .map(|c| done.get(&(c.key.clone(), c.epoch)).copied())
+                    .collect())
             }
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => {
@@ -385,4 +390,87 @@ fn sqlite_key(row: &sqlx::sqlite::SqliteRow) -> Result<RecordKey, sqlx::Error> {
         route: row.try_get(1)?,
         key: row.try_get(2)?,
     })
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::*;
+    use crate::sql::SqlSettings;
+
+    async fn store() -> SqlStore {
+        let store = SqlStore::connect(&SqlSettings {
+            url: "sqlite::memory:".into(),
+            pool_size: 1,
+            timeout: Duration::from_secs(5),
+            tombstone: Duration::ZERO,
+            schema: None,
+            retention: Duration::from_secs(3600),
+            partition_span: Duration::from_secs(3600),
+        })
+        .await
+        .unwrap();
+        store.migrate().await.unwrap();
+        store
+    }
+
+    fn claim(key: &str) -> NewClaim {
+        NewClaim {
+            key: RecordKey::new("scope", "route", key),
+            fingerprint: "fp".into(),
+            request_id: "rid".into(),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(3600),
+            past_tombstone: false,
+        }
+    }
+
+    /// 85 rows take every statement size (64 + 16 + 4 + 1); a key twice in
+    /// the batch is won by its first job only; each completion lands on
+    /// its own record, and a stale epoch in the same statement as the live
+    /// one is refused and answered `None`.
+    #[tokio::test]
+    async fn a_batch_is_cut_into_multi_row_statements_and_answered_row_by_row() {
+        let store = store().await;
+        let held = HeldConnection::default();
+        let mut batch: Vec<NewClaim> = (0..84).map(|i| claim(&format!("k{i}"))).collect();
+        batch.insert(40, claim("k3"));
+        let won = store.insert_claims(&batch, &held).await.unwrap();
+        assert_eq!(won.len(), 85);
+        assert!(won[40].is_none(), "a key twice in a batch won twice");
+        assert_eq!(won.iter().filter(|w| w.is_some()).count(), 84);
+        let mut completions: Vec<Completion> = batch
+            .iter()
+            .zip(&won)
+            .filter_map(|(c, won)| {
+                let (epoch, _) = (*won)?;
+                let mut response = StoredResponse {
+                    status: 201,
+                    headers: vec![("content-type".into(), b"text/plain".to_vec())],
+                    body: bytes::Bytes::from(c.key.key.clone()),
+                    body_kept: true,
+                    request_id: "rid".into(),
+                };
+                response.status += u16::from(c.key.key == "k0");
+                Some(Completion {
+                    key: c.key.clone(),
+                    epoch,
+                    response,
+                })
+            })
+            .collect();
+        // A stale holder of k0 beside the live one, in the same statement.
+        let mut stale = completions[0].clone();
+        stale.epoch -= 1;
+        completions.insert(1, stale);
+        let done = store.complete_many(&completions, &held).await.unwrap();
+        assert!(done[0].is_some(), "the live completion");
+        assert!(done[1].is_none(), "a stale epoch was answered as written");
+        assert!(done.iter().skip(2).all(Option::is_some));
+        for c in batch.iter().take(84) {
+            let record = store.get(&c.key).await.unwrap().unwrap();
+            let response = record.response.unwrap();
+            assert_eq!(response.body, c.key.key.as_bytes());
+            assert_eq!(response.status, if c.key.key == "k0" { 202 } else { 201 });
+        }
+    }
 }
