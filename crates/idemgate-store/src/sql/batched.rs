@@ -53,15 +53,10 @@ impl SqlStore {
         match &self.pool {
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) if batch.len() > 1 => {
+                let (fresh, unique) = first_of_each_key(batch);
                 let mut columns = PgClaimColumns::default();
-                let mut seen = std::collections::HashSet::new();
-                let mut fresh = Vec::with_capacity(batch.len());
-                for c in batch {
-                    let new = seen.insert(&c.key);
-                    fresh.push(new);
-                    if new {
-                        columns.push(c);
-                    }
+                for c in unique {
+                    columns.push(c);
                 }
                 let query = || {
                     sqlx::query(self.sql().claim_insert_many.as_str())
@@ -94,11 +89,7 @@ impl SqlStore {
                         }),
                     )
                     .await?;
-                Ok(batch
-                    .iter()
-                    .zip(fresh)
-                    .map(|(c, fresh)| fresh.then(|| inserted.get(&c.key).copied()).flatten())
-                    .collect())
+                Ok(answer_claims(batch, &fresh, &inserted))
             }
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) => {
@@ -130,42 +121,24 @@ impl SqlStore {
                 // One write transaction, one fsync, a few statements for
                 // the whole batch; a key twice in it is claimed for its
                 // first job only.
-                let mut seen = std::collections::HashSet::new();
-                let fresh: Vec<bool> = batch.iter().map(|c| seen.insert(&c.key)).collect();
-                let unique: Vec<&NewClaim> = batch
-                    .iter()
-                    .zip(&fresh)
-                    .filter_map(|(c, fresh)| fresh.then_some(c))
-                    .collect();
+                let (fresh, unique) = first_of_each_key(batch);
                 let inserted = self
-                    .bounded("claim", async {
-                        let mut conn = pool.acquire().await?;
-                        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-                        let mut inserted = std::collections::HashMap::new();
-                        for (statement, chunk) in sqlite_chunks(&SQLITE_CLAIMS, &unique) {
-                            let mut query = sqlx::query(statement).bind(lease).bind(retention);
-                            for c in chunk {
-                                query = query
-                                    .bind(&c.key.scope)
-                                    .bind(&c.key.route)
-                                    .bind(&c.key.key)
-                                    .bind(&c.fingerprint)
-                                    .bind(&c.request_id);
-                            }
-                            for row in query.fetch_all(&mut *tx).await? {
+                    .bounded(
+                        "claim",
+                        sqlite_batch(
+                            pool,
+                            &SQLITE_CLAIMS,
+                            &unique,
+                            |q| q.bind(lease).bind(retention),
+                            |q, c| q.bind(&c.fingerprint).bind(&c.request_id),
+                            |row| {
                                 let won = (row.try_get::<i64, _>(3)?, row.try_get::<i64, _>(4)?);
-                                inserted.insert(sqlite_key(&row)?, won);
-                            }
-                        }
-                        tx.commit().await?;
-                        Ok(inserted)
-                    })
+                                Ok((returned_key(row)?, won))
+                            },
+                        ),
+                    )
                     .await?;
-                Ok(batch
-                    .iter()
-                    .zip(fresh)
-                    .map(|(c, fresh)| fresh.then(|| inserted.get(&c.key).copied()).flatten())
-                    .collect())
+                Ok(answer_claims(batch, &fresh, &inserted))
             }
         }
     }
@@ -221,38 +194,38 @@ impl SqlStore {
                 // One write transaction, one fsync, a few statements for
                 // the whole batch. Each row is fenced by its epoch, and
                 // answered by key and epoch.
-                let items: Vec<(&Completion, Vec<u8>)> = batch
+                let items: Vec<Encoded> = batch
                     .iter()
-                    .map(|c| (c, encode_headers(&c.response.headers)))
+                    .map(|c| Encoded {
+                        key: &c.key,
+                        epoch: c.epoch,
+                        response: &c.response,
+                        headers: encode_headers(&c.response.headers),
+                    })
                     .collect();
                 let done = self
-                    .bounded("complete", async {
-                        let mut conn = pool.acquire().await?;
-                        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-                        let mut done = std::collections::HashMap::new();
-                        for (statement, chunk) in sqlite_chunks(&SQLITE_COMPLETIONS, &items) {
-                            let mut query = sqlx::query(statement);
-                            for (c, headers) in chunk {
-                                query = query
-                                    .bind(&c.key.scope)
-                                    .bind(&c.key.route)
-                                    .bind(&c.key.key)
-                                    .bind(c.epoch)
+                    .bounded(
+                        "complete",
+                        sqlite_batch(
+                            pool,
+                            &SQLITE_COMPLETIONS,
+                            &items,
+                            |q| q,
+                            |q, c| {
+                                q.bind(c.epoch)
                                     .bind(i32::from(c.response.status))
-                                    .bind(headers)
+                                    .bind(&c.headers)
                                     .bind(c.response.body.as_ref())
                                     .bind(c.response.body_kept)
-                                    .bind(&c.response.request_id);
-                            }
-                            for row in query.fetch_all(&mut *tx).await? {
+                                    .bind(&c.response.request_id)
+                            },
+                            |row| {
                                 let settled = (left(row.try_get(4)?), row.try_get::<bool, _>(5)?);
                                 let epoch = row.try_get::<i64, _>(3)?;
-                                done.insert((sqlite_key(&row)?, epoch), settled);
-                            }
-                        }
-                        tx.commit().await?;
-                        Ok(done)
-                    })
+                                Ok(((returned_key(row)?, epoch), settled))
+                            },
+                        ),
+                    )
                     .await?;
                 Ok(batch
                     .iter()
@@ -261,6 +234,34 @@ impl SqlStore {
             }
         }
     }
+}
+
+/// Which jobs of a claim batch are the first of their key (a key twice in
+/// one batch is claimed for its first job only; the second then meets the
+/// row like any duplicate), and those jobs.
+fn first_of_each_key(batch: &[NewClaim]) -> (Vec<bool>, Vec<&NewClaim>) {
+    let mut seen = std::collections::HashSet::new();
+    let fresh: Vec<bool> = batch.iter().map(|c| seen.insert(&c.key)).collect();
+    let unique = batch
+        .iter()
+        .zip(&fresh)
+        .filter_map(|(c, fresh)| fresh.then_some(c))
+        .collect();
+    (fresh, unique)
+}
+
+/// Each job's answer: the epoch and expiry its key was inserted with, for
+/// the first job of a key that was.
+fn answer_claims(
+    batch: &[NewClaim],
+    fresh: &[bool],
+    inserted: &std::collections::HashMap<RecordKey, (i64, i64)>,
+) -> Vec<Option<(i64, i64)>> {
+    batch
+        .iter()
+        .zip(fresh)
+        .map(|(c, fresh)| fresh.then(|| inserted.get(&c.key).copied()).flatten())
+        .collect()
 }
 
 /// One claim of a key, as [`SqlStore::insert_claims`] takes it.
@@ -335,9 +336,13 @@ impl PgColumns {
     }
 }
 
-/// The record a batched `… RETURNING scope, route, idem_key` row names.
-#[cfg(feature = "postgres")]
-fn returned_key(row: &sqlx::postgres::PgRow) -> Result<RecordKey, sqlx::Error> {
+/// The record a batched `… RETURNING scope, route, idem_key, …` row names.
+fn returned_key<'r, R>(row: &'r R) -> Result<RecordKey, sqlx::Error>
+where
+    R: Row,
+    usize: sqlx::ColumnIndex<R>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
     Ok(RecordKey {
         scope: row.try_get(0)?,
         route: row.try_get(1)?,
@@ -345,24 +350,20 @@ fn returned_key(row: &sqlx::postgres::PgRow) -> Result<RecordKey, sqlx::Error> {
     })
 }
 
-/// SQLite's multi-row claim statements, by rows (`SQLITE_ROWS`).
+/// SQLite's multi-row statements, by rows (`SQLITE_ROWS`).
 #[cfg(feature = "sqlite")]
-static SQLITE_CLAIMS: std::sync::LazyLock<Vec<(usize, String)>> = std::sync::LazyLock::new(|| {
-    SQLITE_ROWS
-        .iter()
-        .map(|&rows| (rows, sqlite_claim_rows(rows)))
-        .collect()
-});
+type ByRows = std::sync::LazyLock<Vec<(usize, String)>>;
 
-/// SQLite's multi-row completion statements, by rows (`SQLITE_ROWS`).
 #[cfg(feature = "sqlite")]
-static SQLITE_COMPLETIONS: std::sync::LazyLock<Vec<(usize, String)>> =
-    std::sync::LazyLock::new(|| {
-        SQLITE_ROWS
-            .iter()
-            .map(|&rows| (rows, sqlite_complete_rows(rows)))
-            .collect()
-    });
+fn by_rows(text: fn(usize) -> String) -> Vec<(usize, String)> {
+    SQLITE_ROWS.iter().map(|&rows| (rows, text(rows))).collect()
+}
+
+#[cfg(feature = "sqlite")]
+static SQLITE_CLAIMS: ByRows = ByRows::new(|| by_rows(sqlite_claim_rows));
+
+#[cfg(feature = "sqlite")]
+static SQLITE_COMPLETIONS: ByRows = ByRows::new(|| by_rows(sqlite_complete_rows));
 
 /// `items` cut into runs the sizes of `statements` (largest first), each
 /// with the statement that writes it.
@@ -382,14 +383,68 @@ fn sqlite_chunks<'a, T>(
     runs
 }
 
-/// The key a SQLite `RETURNING scope, route, idem_key, …` row names.
+/// A job of a SQLite batch: the record it writes is its first three
+/// parameters.
 #[cfg(feature = "sqlite")]
-fn sqlite_key(row: &sqlx::sqlite::SqliteRow) -> Result<RecordKey, sqlx::Error> {
-    Ok(RecordKey {
-        scope: row.try_get(0)?,
-        route: row.try_get(1)?,
-        key: row.try_get(2)?,
-    })
+trait Keyed {
+    fn key(&self) -> &RecordKey;
+}
+
+#[cfg(feature = "sqlite")]
+impl Keyed for &NewClaim {
+    fn key(&self) -> &RecordKey {
+        &self.key
+    }
+}
+
+/// A completion with its headers encoded for the statement.
+#[cfg(feature = "sqlite")]
+struct Encoded<'a> {
+    key: &'a RecordKey,
+    epoch: i64,
+    response: &'a StoredResponse,
+    headers: Vec<u8>,
+}
+
+#[cfg(feature = "sqlite")]
+impl Keyed for Encoded<'_> {
+    fn key(&self) -> &RecordKey {
+        self.key
+    }
+}
+
+#[cfg(feature = "sqlite")]
+type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
+
+/// Writes `jobs` in one SQLite transaction (one commit), a statement per
+/// run of `statements`' sizes: `first` binds what every row shares, each
+/// job binds its key and then `bind`'s parameters; `read` turns each
+/// returned row into an entry of the answer map.
+#[cfg(feature = "sqlite")]
+async fn sqlite_batch<'q, T: Keyed + 'q, K: std::hash::Hash + Eq, V>(
+    pool: &sqlx::SqlitePool,
+    statements: &'static [(usize, String)],
+    jobs: &'q [T],
+    first: impl Fn(SqliteQuery<'q>) -> SqliteQuery<'q>,
+    bind: impl Fn(SqliteQuery<'q>, &'q T) -> SqliteQuery<'q>,
+    read: impl Fn(&sqlx::sqlite::SqliteRow) -> Result<(K, V), sqlx::Error>,
+) -> Result<std::collections::HashMap<K, V>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+    let mut answers = std::collections::HashMap::new();
+    for (statement, run) in sqlite_chunks(statements, jobs) {
+        let mut query = first(sqlx::query(statement));
+        for job in run {
+            let key = job.key();
+            query = bind(query.bind(&key.scope).bind(&key.route).bind(&key.key), job);
+        }
+        for row in query.fetch_all(&mut *tx).await? {
+            let (key, value) = read(&row)?;
+            answers.insert(key, value);
+        }
+    }
+    tx.commit().await?;
+    Ok(answers)
 }
 
 #[cfg(all(test, feature = "sqlite"))]
