@@ -569,6 +569,12 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
         "urn:idemgate:problem:buffers-exhausted"
     );
     assert!(refused.header("retry-after").is_some());
+    let metrics = stack.http.get(&stack.admin("/metrics")).await.body;
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert_eq!(
+        metric(&metrics, "idemgate_claims_refused_total{limit=\"answers\"}"),
+        1
+    );
     assert!(
         stack
             .gateway

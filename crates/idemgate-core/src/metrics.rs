@@ -265,6 +265,18 @@ pub trait WorkerConnections: Send + Sync + std::fmt::Debug {
     fn open_connections(&self) -> Vec<usize>;
 }
 
+/// The limit that refused a claim before it was made
+/// (`idemgate_claims_refused_total{limit}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimLimit {
+    /// `server.max_claims`.
+    Process = 0,
+    /// The claims one connection may leave live.
+    Connection = 1,
+    /// `server.max_captured_bytes`: the answers' budget.
+    Answers = 2,
+}
+
 /// One gateway's metrics.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -282,9 +294,8 @@ pub struct Metrics {
     /// Latency of store operations as the engine sees them.
     pub store_latency: Histogram,
     wake_ups: [AtomicU64; WAKE_UPS.len()],
-    /// Claims refused before they were made: the process budget, a
-    /// connection's share.
-    claims_refused: [AtomicU64; 2],
+    /// Claims refused before they were made, by [`ClaimLimit`].
+    claims_refused: [AtomicU64; 3],
     /// `server.max_claims` as started.
     pub claims_limit: AtomicU64,
     /// Open client connections per worker thread (set once at start).
@@ -426,10 +437,9 @@ impl Metrics {
             });
     }
 
-    /// Counts a claim refused by a budget (`connection`: its connection's
-    /// share, else the process's).
-    pub fn claim_refused(&self, connection: bool) {
-        self.claims_refused[usize::from(connection)].fetch_add(1, Ordering::Relaxed);
+    /// Counts a claim refused by a full limit.
+    pub fn claim_refused(&self, limit: ClaimLimit) {
+        self.claims_refused[limit as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one waiting duplicate's wake-up.
@@ -571,7 +581,7 @@ impl Metrics {
         );
         out.push_str("# HELP idemgate_claims_refused_total Claims refused before they were made, by the limit that was full.\n");
         out.push_str("# TYPE idemgate_claims_refused_total counter\n");
-        for (i, limit) in ["process", "connection"].iter().enumerate() {
+        for (i, limit) in ["process", "connection", "answers"].iter().enumerate() {
             let _ = writeln!(
                 out,
                 "idemgate_claims_refused_total{{limit=\"{limit}\"}} {}",

@@ -44,7 +44,7 @@ use tokio::sync::oneshot;
 use idemgate_core::budget::{self, ConnectionClaims};
 use idemgate_core::error::{Problem, Reason};
 use idemgate_core::identity::Identity;
-use idemgate_core::metrics::{Metrics, WakeUp};
+use idemgate_core::metrics::{ClaimLimit, Metrics, WakeUp};
 use idemgate_core::request_id::X_REQUEST_ID;
 use idemgate_core::trace;
 use idemgate_store::{Claim, RecordKey, StoreError, StoredResponse};
@@ -445,9 +445,18 @@ impl Engine {
         let (_counted, mut share) = match self.count_claim(connection.as_ref()) {
             Ok(counted) => counted,
             Err(refused) => {
-                if let IdempotencyError::Exhausted(exhausted) = &refused {
-                    self.metrics
-                        .claim_refused(*exhausted == budget::Exhausted::Connection);
+                let limit = match &refused {
+                    IdempotencyError::Exhausted(budget::Exhausted::Process) => {
+                        Some(ClaimLimit::Process)
+                    }
+                    IdempotencyError::Exhausted(budget::Exhausted::Connection) => {
+                        Some(ClaimLimit::Connection)
+                    }
+                    IdempotencyError::AnswerBudget => Some(ClaimLimit::Answers),
+                    _ => None,
+                };
+                if let Some(limit) = limit {
+                    self.metrics.claim_refused(limit);
                 }
                 let refused = self.refusal::<P>(refused, Some(key));
                 let _ = reply.send(Attempt::Answered(refused));
