@@ -497,3 +497,44 @@ pub(super) fn sqlite_complete_rows(rows: usize) -> String {
         values.join(", ")
     )
 }
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::*;
+
+    /// The numbered parameters a statement text uses, in order of their
+    /// numbers (sqlx binds by position and does not check the count).
+    fn parameters(text: &str) -> Vec<usize> {
+        let mut found: Vec<usize> = text
+            .split('?')
+            .skip(1)
+            .map(|rest| {
+                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                digits.parse().expect("a numbered parameter")
+            })
+            .collect();
+        found.sort_unstable();
+        found.dedup();
+        found
+    }
+
+    #[test]
+    fn every_multi_row_statement_numbers_exactly_the_parameters_bound() {
+        for rows in SQLITE_ROWS {
+            // Claims: lease and retention, then five per row.
+            let claims = parameters(&sqlite_claim_rows(rows));
+            assert_eq!(
+                claims,
+                (1..=2 + 5 * rows).collect::<Vec<_>>(),
+                "{rows} rows"
+            );
+            // Completions: nine per row.
+            let completions = parameters(&sqlite_complete_rows(rows));
+            assert_eq!(
+                completions,
+                (1..=9 * rows).collect::<Vec<_>>(),
+                "{rows} rows"
+            );
+        }
+    }
+}
