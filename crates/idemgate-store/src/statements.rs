@@ -20,8 +20,9 @@ use super::sql::SWEEP_BATCH;
 
 /// The statements of one database.
 pub(super) struct Statements {
-    /// `$1 scope, $2 route, $3 key, $4 fingerprint, $5 lease ms, $6 request
-    /// id, $7 retention ms` → `epoch, expires_at` when inserted.
+    /// Postgres only: `$1 scope, $2 route, $3 key, $4 fingerprint, $5 lease
+    /// ms, $6 request id, $7 retention ms` → `epoch, expires_at` when
+    /// inserted.
     pub claim_insert: String,
     /// Postgres only: the batched insert over arrays `$1..$4, $6` with the
     /// scalar `$5 lease ms, $7 retention ms` → the keys inserted, their
@@ -206,14 +207,9 @@ impl Statements {
             )
         };
         Statements {
-            claim_insert: fill(
-                "INSERT INTO idempotency_records \
-                 (scope, route, idem_key, fingerprint, state, epoch, lease_until, request_id, \
-                  created_at, updated_at, expires_at, body_kept) \
-                 VALUES ($1, $2, $3, $4, 'in_flight', {epoch}, {now} + $5, $6, {now}, {now}, \
-                         {now} + $7, FALSE) \
-                 ON CONFLICT (route, idem_key, scope) DO NOTHING RETURNING epoch, expires_at",
-            ),
+            // Postgres only, through its claim function (`POSTGRES`); SQLite
+            // writes every claim as a batch (`sqlite_claim_rows`).
+            claim_insert: String::new(),
             // Postgres only, through its claim function (`POSTGRES`).
             claim_insert_many: String::new(),
             // Forgotten (retention and tombstone over) and released records

@@ -47,12 +47,12 @@ use tokio::time::Instant;
 
 /// An answer body of at most this many bytes is always kept at once: each
 /// claim reserves it before it is made.
-pub const ANSWER_RESERVE_BYTES: usize = 64 * 1024;
+pub(crate) const ANSWER_RESERVE_BYTES: usize = 64 * 1024;
 /// `server.max_captured_bytes`: the reserves of 4,096 claims, or 256
 /// answers of the default largest stored size.
 pub const DEFAULT_MAX_CAPTURED_BYTES: u64 = 256 * 1024 * 1024;
 /// Longest wait for room before a larger answer is kept past the budget.
-pub const CAPTURE_WAIT: Duration = Duration::from_secs(1);
+pub(crate) const CAPTURE_WAIT: Duration = Duration::from_secs(1);
 /// At most one warning this often when answers are kept past the budget.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
@@ -122,7 +122,7 @@ impl AnswerBudget {
 /// One claim's share of the answer budget, given back when dropped (once
 /// its record is written).
 #[derive(Debug)]
-pub struct AnswerShare {
+pub(crate) struct AnswerShare {
     budget: AnswerBudget,
     bytes: u64,
     reserve: u64,
@@ -130,12 +130,12 @@ pub struct AnswerShare {
 
 /// The budget is full: no claim may be made now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NoRoom;
+pub(crate) struct NoRoom;
 
 impl AnswerShare {
     /// The reserve of a claim whose answers are kept up to `cap` bytes, or
     /// `NoRoom` when the budget is full.
-    pub fn reserve(budget: &AnswerBudget, cap: usize) -> Result<Self, NoRoom> {
+    pub(crate) fn reserve(budget: &AnswerBudget, cap: usize) -> Result<Self, NoRoom> {
         let reserve = cap.min(ANSWER_RESERVE_BYTES) as u64;
         if !budget.try_take(reserve) {
             return Err(NoRoom);
@@ -149,7 +149,7 @@ impl AnswerShare {
 
     /// A share of nothing, to grow from `budget` (an operator's action,
     /// not a claim).
-    pub fn empty(budget: &AnswerBudget) -> Self {
+    pub(crate) fn empty(budget: &AnswerBudget) -> Self {
         AnswerShare {
             budget: budget.clone(),
             bytes: 0,
@@ -158,7 +158,8 @@ impl AnswerShare {
     }
 
     /// Bytes the share holds.
-    pub fn bytes(&self) -> u64 {
+    #[cfg(test)]
+    fn bytes(&self) -> u64 {
         self.bytes
     }
 
@@ -216,7 +217,7 @@ impl Drop for AnswerShare {
 }
 
 /// A response body as captured for storage.
-pub enum Captured {
+pub(crate) enum Captured {
     /// The whole body, within the cap.
     Whole(Bytes),
     /// Over the cap: what was read, and the rest still to stream.
@@ -227,7 +228,7 @@ pub enum Captured {
 
 /// Reads a response body up to `cap` bytes, counted in `share`, which
 /// waits for room until `until`.
-pub async fn capture(
+pub(crate) async fn capture(
     mut body: Body,
     cap: usize,
     share: &mut AnswerShare,

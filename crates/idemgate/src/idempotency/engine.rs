@@ -445,19 +445,6 @@ impl Engine {
         let (_counted, mut share) = match self.count_claim(connection.as_ref()) {
             Ok(counted) => counted,
             Err(refused) => {
-                let limit = match &refused {
-                    IdempotencyError::Exhausted(budget::Exhausted::Process) => {
-                        Some(ClaimLimit::Process)
-                    }
-                    IdempotencyError::Exhausted(budget::Exhausted::Connection) => {
-                        Some(ClaimLimit::Connection)
-                    }
-                    IdempotencyError::AnswerBudget => Some(ClaimLimit::Answers),
-                    _ => None,
-                };
-                if let Some(limit) = limit {
-                    self.metrics.claim_refused(limit);
-                }
                 let refused = self.refusal::<P>(refused, Some(key));
                 let _ = reply.send(Attempt::Answered(refused));
                 return;
@@ -595,29 +582,37 @@ impl Engine {
     }
 
     /// One claim's share of the process budget and of its connection's,
-    /// and the reserve of answer budget its answer is kept in.
+    /// and the reserve of answer budget its answer is kept in; a refusal is
+    /// counted by the limit that was full.
     fn count_claim(
         &self,
         connection: Option<&ConnectionClaims>,
     ) -> Result<(Counted, AnswerShare), IdempotencyError> {
         use budget::Exhausted;
+        let refused = |limit, error| {
+            self.metrics.claim_refused(limit);
+            error
+        };
         let connection = match connection {
-            Some(c) => Some(
-                c.take()
-                    .ok_or(IdempotencyError::Exhausted(Exhausted::Connection))?,
-            ),
+            Some(c) => Some(c.take().ok_or_else(|| {
+                refused(
+                    ClaimLimit::Connection,
+                    IdempotencyError::Exhausted(Exhausted::Connection),
+                )
+            })?),
             None => None,
         };
-        let process = self
-            .settings
-            .budget
-            .try_take()
-            .ok_or(IdempotencyError::Exhausted(Exhausted::Process))?;
+        let process = self.settings.budget.try_take().ok_or_else(|| {
+            refused(
+                ClaimLimit::Process,
+                IdempotencyError::Exhausted(Exhausted::Process),
+            )
+        })?;
         let share = AnswerShare::reserve(
             &self.settings.answer_budget,
             self.settings.max_stored_body_bytes,
         )
-        .map_err(|_| IdempotencyError::AnswerBudget)?;
+        .map_err(|_| refused(ClaimLimit::Answers, IdempotencyError::AnswerBudget))?;
         let counted = Counted {
             _process: process,
             _connection: connection,

@@ -503,8 +503,13 @@ impl<L: Ledger> Holder<L> {
         let (parts, body) = response.into_parts();
         // Waiting for room in the answer budget ends well before
         // `give_up`: an answer in hand is never turned into a timeout.
+        // An in-process handler's answer is in memory already: waiting
+        // would only delay it.
         let now = tokio::time::Instant::now();
-        let until = now + CAPTURE_WAIT.min(give_up.saturating_duration_since(now) / 2);
+        let until = match self.in_process {
+            true => now,
+            false => now + CAPTURE_WAIT.min(give_up.saturating_duration_since(now) / 2),
+        };
         let cap = self.max_stored_body_bytes;
         let (kept, client_body) = match capture(body, cap, &mut self.share, until).await {
             Captured::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
