@@ -157,8 +157,53 @@ RPS=$(echo "$RUN" | python3 -c "import json,sys; d=json.load(sys.stdin); print(f
     | awk -v n="$N" '{ if ($2 / n >= 0.001) printf "| %s | %.3f | %s |\n", $1, $2 / n, $3 }'
 } | tee "$OUT"
 
-# The yardstick on the same Postgres: one row per transaction, fsync'd.
+# The peer (idempotent-proxy-server, Redis only), when installed: the same
+# load on the same nginx and Redis, with the CPU of each party per request.
+# What a fresh key costs it, against what the gateway's costs, is the
+# account of the ratio run.sh measures beside it.
 kill "${pids[0]}" 2>/dev/null || true
+PEER=${IDEMGATE_PEER:-$(command -v idempotent-proxy-server || true)}
+if [ -n "$PEER" ]; then
+  mkdir -p "$WORK/peer"
+  cat > "$WORK/peer/.env" <<CONF
+SERVER_ADDR=127.0.0.1:18582
+REDIS_URL=redis://127.0.0.1:6379/
+REQUEST_TIMEOUT=30000
+LOG_LEVEL=warn
+URL_UP=http://127.0.0.1:18581/key/peer
+CONF
+  (cd "$WORK/peer" && exec setsid "$PEER" >/dev/null 2>"$WORK/peer/stderr") & pids+=($!)
+  PEER_PID=$!
+  for _ in $(seq 1 100); do curl -s -o /dev/null http://127.0.0.1:18582/ && break; sleep 0.1; done
+  $BIN/examples/loadgen unique http://127.0.0.1:18582/URL_UP "$CONC" 2 >/dev/null
+  GW=$PEER_PID
+  PP0=$(cpu_all)
+  PEER_RUN=$($BIN/examples/loadgen unique http://127.0.0.1:18582/URL_UP "$CONC" "$SECS")
+  PP1=$(cpu_all)
+  kill "$PEER_PID" 2>/dev/null || true
+  PN=$(echo "$PEER_RUN" | python3 -c "import json,sys; d=json.load(sys.stdin); print(int(d['rps']*$SECS))")
+  PRPS=$(echo "$PEER_RUN" | python3 -c "import json,sys; d=json.load(sys.stdin); print(f\"{d['rps']:.0f}/s, p50 {d['p50_ms']:.2f} ms, p99 {d['p99_ms']:.2f} ms\")")
+  {
+    echo
+    echo "## Beside the peer: idempotent-proxy-server, a fresh key per request, same load"
+    echo
+    echo "Its claims and answers in Redis only (nothing durable). Rate: $PRPS. CPU per request:"
+    echo
+    echo "| party | CPU µs / request |"
+    echo "|---|---|"
+    paste <(echo "$PP0") <(echo "$PP1") | awk -v n="$PN" -v hz="$(getconf CLK_TCK)" '
+      { d[$1] = $4 - $2; order[NR] = $1 }
+      END { known = 0
+        for (i = 1; i <= NR; i++) { k = order[i]; if (k == "machine" || k == "postgres") continue; known += d[k]
+          printf "| %s | %.0f |\n", (k == "gateway" ? "the peer" : k), d[k] * 1e6 / hz / n }
+        printf "| the load generator and the rest | %.0f |\n", (d["machine"] - known - d["postgres"]) * 1e6 / hz / n
+        printf "| the machine (2 cores) | %.0f |\n", d["machine"] * 1e6 / hz / n }'
+  } | tee -a "$OUT"
+else
+  echo "peer: idempotent-proxy-server not installed; its section is skipped (IDEMGATE_PEER names it)"
+fi
+
+# The yardstick on the same Postgres: one row per transaction, fsync'd.
 psql -q "$PG" -c "CREATE TABLE raw (k text PRIMARY KEY, v bigint)"
 cat > "$WORK/pgbench.sql" <<'SQL'
 \set k random(1, 1000000000)

@@ -604,3 +604,57 @@ async fn the_uncertain_list_is_the_stores_on_every_instance() {
         .json();
     assert_eq!(after["records"].as_array().unwrap().len(), 0, "{after}");
 }
+
+/// With Redis as the fast layer each instance keeps a copy of the answers
+/// it replays (no Redis round trip per replay); a purge made on another
+/// instance still reaches that copy before the purge is answered, and the
+/// key executes again there. The second instance replays twice first, so
+/// its copy is in use when the purge comes; with the copy not following
+/// the purge log it would replay the purged key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_elsewhere_reaches_the_answers_an_instance_keeps_near() {
+    let test = "a_purge_elsewhere_reaches_the_answers_an_instance_keeps_near";
+    let Some((url, prefix)) = services::redis(test).await else {
+        return;
+    };
+    let store = format!("redis_url = \"{url}\"\nredis_prefix = \"{prefix}\"");
+    let Some(s) = Setup::start(test, 2, &store, "").await else {
+        return;
+    };
+    let (a, b) = (&s.gateways[0], &s.gateways[1]);
+    assert_eq!(s.post(a, "near-1", &[]).await.status, 201);
+    for _ in 0..2 {
+        let replay = s.post(b, "near-1", &[]).await;
+        assert_eq!(replay.status, 201);
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    }
+    let metrics = s.http.get(&b.admin_url("/metrics")).await;
+    let kept: u64 = String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("idemgate_memory_layer_bytes ")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .expect("idemgate_memory_layer_bytes");
+    assert!(kept > 0, "the replaying instance keeps no copy");
+    let purged = s
+        .http
+        .send(
+            "DELETE",
+            &a.admin_url("/admin/keys/actions/near-1"),
+            &[],
+            "",
+        )
+        .await;
+    assert_eq!(purged.status, 200, "{:?}", purged.body);
+    let fresh = s.post(b, "near-1", &[]).await;
+    assert_eq!(fresh.status, 201);
+    assert_eq!(
+        fresh.header("idempotent-replayed"),
+        None,
+        "a purged key was replayed from an instance's copy"
+    );
+    assert_eq!(executions_at(&s.upstream, "pay"), 2);
+}

@@ -199,6 +199,68 @@ async fn past_max_claims_a_request_is_refused_before_it_is_claimed() {
     stack.shutdown().await;
 }
 
+/// A replay this process holds in memory takes no claim: with
+/// `server.max_claims = 1` taken by a slow request, 50 concurrent retries
+/// of a finished key are all replayed (before: 49 or 50 of them `503
+/// claims-exhausted`), while a new key is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_held_in_memory_takes_no_claim() {
+    let stack = Stack::start_with(KEYS, |c| c.server.max_claims = 1).await;
+    let first = stack
+        .http
+        .send(
+            "POST",
+            &stack.url("/actions/memo"),
+            &[("idempotency-key", "done-1")],
+            "{}",
+        )
+        .await;
+    assert_eq!(first.status, 201);
+    let slow = {
+        let (http, url) = (stack.http.clone(), stack.url("/actions/slow"));
+        tokio::spawn(async move {
+            http.send(
+                "POST",
+                &url,
+                &[("idempotency-key", "slow-1"), ("x-demo-delay-ms", "1200")],
+                "{}",
+            )
+            .await
+        })
+    };
+    support::reached(&stack.upstream, 2).await;
+    let answers = support::concurrent_posts(
+        &stack.http,
+        50,
+        |_| stack.url("/actions/memo"),
+        |_| support::pairs(&[("idempotency-key", "done-1")]),
+        "{}",
+    )
+    .await;
+    for answer in &answers {
+        assert_eq!(answer.status, 201, "{:?}", answer.body);
+        assert_eq!(answer.header("idempotent-replayed"), Some("true"));
+        assert_eq!(answer.body, first.body);
+    }
+    let fresh = stack
+        .http
+        .send(
+            "POST",
+            &stack.url("/actions/memo"),
+            &[("idempotency-key", "new-1")],
+            "{}",
+        )
+        .await;
+    assert_eq!(fresh.status, 503);
+    assert_eq!(
+        fresh.problem_type(),
+        "urn:idemgate:problem:claims-exhausted"
+    );
+    assert_eq!(slow.await.unwrap().status, 201);
+    assert_eq!(executions(&stack, "memo"), 1);
+    stack.shutdown().await;
+}
+
 /// The in-process fast layer is bounded in bytes: 600 distinct keys with
 /// one-megabyte answers leave it at most its budget, 64 MiB (before: all
 /// 600, about 600 MiB).

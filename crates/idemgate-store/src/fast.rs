@@ -33,12 +33,21 @@ pub trait FastLayer: Send + Sync + 'static {
     fn layer(&self) -> FallbackLayer;
 
     /// In one atomic step: the entry stored under `entry`'s key if there is
-    /// one, otherwise store `entry` (the in-flight marker) and answer `None`.
+    /// one, with the time it has left in this layer; otherwise store
+    /// `entry` (the in-flight marker) and answer `None`.
     fn get_or_mark<'a>(
         &'a self,
         entry: &'a FastEntry,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>>;
+    ) -> BoxFuture<'a, Result<Option<(FastEntry, Duration)>, FastError>>;
+
+    /// The completed answer under `key` that this process holds in memory,
+    /// with the time it has left, without a round trip and without marking
+    /// anything; `None` where the layer is remote (a replay then takes the
+    /// claim's path).
+    fn peek(&self, _key: &RecordKey) -> Option<(FastEntry, Duration)> {
+        None
+    }
 
     /// Stores `entry`, replacing what was there (`SET PX`).
     fn put<'a>(

@@ -6,7 +6,8 @@
 //!   Check-and-claim is one atomic statement (rule 2); every write after the
 //!   claim carries the claim's fencing epoch, so a paused or late holder can
 //!   never overwrite a newer one.
-//! - [`FastLayer`]: the accelerator — [`redis::RedisLayer`] or
+//! - [`FastLayer`]: the accelerator — [`redis::RedisLayer`] (with this
+//!   process's copies of its completed answers in front, [`near`]) or
 //!   [`memory::MemoryLayer`]. It turns concurrent duplicates away and
 //!   replays finished requests without touching SQL; whatever it returns is
 //!   verified before use, and its failures only send requests down the SQL
@@ -43,6 +44,8 @@ pub mod fast;
 pub mod held;
 pub mod memory;
 pub mod migrations;
+#[cfg(feature = "redis")]
+pub mod near;
 pub mod purges;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -326,20 +329,21 @@ impl Default for StoreOptions {
 }
 
 /// The store the options ask for, with its migrations applied, plus the
-/// in-process layer (if that is the fast layer) for the sweeper to trim and
-/// for worker stores to share.
+/// in-process layer (the fast layer, or with Redis the copies of completed
+/// answers kept near) for the sweeper to trim, the purge log to reach and
+/// worker stores to share.
 pub async fn open(
     config: &StoreOptions,
     metrics: Arc<idemgate_core::metrics::Metrics>,
 ) -> Result<(Store, Option<Arc<memory::MemoryLayer>>), StoreError> {
     let sql = sql::SqlStore::connect(&sql_settings(config, config.pool_size)).await?;
     sql.migrate().await?;
-    let memory = config.redis_url.is_empty().then(|| {
-        Arc::new(memory::MemoryLayer::with_budget(
-            memory::DEFAULT_MAX_ENTRIES,
-            config.memory_layer_bytes,
-        ))
-    });
+    // The in-process layer is the fast layer, or, with Redis, holds this
+    // process's copies of completed answers (`near`).
+    let memory = Some(Arc::new(memory::MemoryLayer::with_budget(
+        memory::DEFAULT_MAX_ENTRIES,
+        config.memory_layer_bytes,
+    )));
     let fast = fast_layer(config, memory.clone())?;
     let channel = if !config.redis_url.is_empty() {
         settle::Channel::Redis
@@ -417,21 +421,31 @@ fn fast_layer(
     config: &StoreOptions,
     memory: Option<Arc<memory::MemoryLayer>>,
 ) -> Result<Arc<dyn FastLayer>, StoreError> {
-    if let Some(memory) = memory {
-        return Ok(memory);
+    if config.redis_url.is_empty() {
+        return Ok(memory.unwrap_or_else(|| {
+            Arc::new(memory::MemoryLayer::with_budget(
+                memory::DEFAULT_MAX_ENTRIES,
+                config.memory_layer_bytes,
+            ))
+        }));
     }
     #[cfg(feature = "redis")]
     {
-        let redis = redis::RedisLayer::new(
-            &config.redis_url,
-            &config.redis_prefix,
-            config.fast_layer_budget,
-        )
-        .map_err(|e| StoreError::Unavailable {
-            op: "redis",
-            cause: e.to_string(),
-        })?;
-        Ok(Arc::new(redis))
+        let redis: Arc<dyn FastLayer> = Arc::new(
+            redis::RedisLayer::new(
+                &config.redis_url,
+                &config.redis_prefix,
+                config.fast_layer_budget,
+            )
+            .map_err(|e| StoreError::Unavailable {
+                op: "redis",
+                cause: e.to_string(),
+            })?,
+        );
+        Ok(match memory {
+            Some(memory) => Arc::new(near::NearLayer::new(redis, memory)),
+            None => redis,
+        })
     }
     #[cfg(not(feature = "redis"))]
     Err(StoreError::Unavailable {

@@ -163,19 +163,19 @@ impl MemoryLayer {
 
     /// Stores `entry`; with `only_if_absent`, answers the live entry
     /// instead when there is one (check and store under one lock).
-    fn store(
+    pub(crate) fn store(
         &self,
         entry: &FastEntry,
         ttl: Duration,
         only_if_absent: bool,
-    ) -> Result<Option<Arc<FastEntry>>, FastError> {
+    ) -> Result<Option<(Arc<FastEntry>, Duration)>, FastError> {
         let now = Instant::now();
         let mut shard = self.shard(entry.key());
         if let Some(slot) = shard.entries.get(entry.key())
             && only_if_absent
             && slot.expires > now
         {
-            let existing = slot.entry.clone();
+            let existing = (slot.entry.clone(), slot.expires - now);
             shard.touch(entry.key());
             return Ok(Some(existing));
         }
@@ -204,6 +204,21 @@ impl MemoryLayer {
             },
         );
         Ok(None)
+    }
+
+    /// The live completed entry under `key`, with the time it has left;
+    /// never marks anything (replays answered before any claim is made, and
+    /// the copies kept in front of Redis).
+    pub fn completed(&self, key: &RecordKey) -> Option<(FastEntry, Duration)> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        let slot = shard.entries.get(key)?;
+        if slot.expires <= now || !matches!(*slot.entry, FastEntry::Completed { .. }) {
+            return None;
+        }
+        let found = ((*slot.entry).clone(), slot.expires - now);
+        shard.touch(key);
+        Some(found)
     }
 
     /// Forgets every entry of `route`/`key` (in `scope`, or in every scope);
@@ -279,11 +294,15 @@ impl FastLayer for MemoryLayer {
         &'a self,
         entry: &'a FastEntry,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
+    ) -> BoxFuture<'a, Result<Option<(FastEntry, Duration)>, FastError>> {
         let found = self
             .store(entry, ttl, true)
-            .map(|existing| existing.map(|e| (*e).clone()));
+            .map(|existing| existing.map(|(e, left)| ((*e).clone(), left)));
         Box::pin(std::future::ready(found))
+    }
+
+    fn peek(&self, key: &RecordKey) -> Option<(FastEntry, Duration)> {
+        self.completed(key)
     }
 
     fn put<'a>(

@@ -1,9 +1,10 @@
 //! Purges reach every in-process fast layer (docs/semantics.md, "Purges").
 //!
-//! An in-process fast layer lives in one gateway process; a purge made by
-//! the CLI or by another instance cannot touch it directly. Every purge is
-//! therefore logged in SQL (`idempotency_purges`), and each gateway whose
-//! fast layer is in-process follows that log: every [`FOLLOW_EVERY`] it
+//! An in-process layer (the fast layer, or the copies of completed answers
+//! kept in front of Redis, [`super::near`]) lives in one gateway process; a
+//! purge made by the CLI or by another instance cannot touch it directly.
+//! Every purge is therefore logged in SQL (`idempotency_purges`), and every
+//! gateway follows that log: every [`FOLLOW_EVERY`] it
 //! reads the purges past the last one it saw (and a trailing window before
 //! it: ids of concurrent purges may commit out of order; forgetting twice
 //! is harmless) and forgets their keys. A purge command waits [`settle`]

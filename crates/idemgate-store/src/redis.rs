@@ -42,10 +42,12 @@ pub struct RedisLayer {
 }
 
 /// GET, or SET … PX when absent, in one atomic step and one round trip
-/// (a script runs alone on its shard). Answers the existing value or nil.
+/// (a script runs alone on its shard). Answers the existing value and its
+/// time to live in milliseconds (Redis's own clock: a copy kept nearer
+/// expires with it, whatever the gateway's clock says), or nil.
 const GET_OR_MARK: &str = r#"
 local existing = redis.call('GET', KEYS[1])
-if existing then return existing end
+if existing then return {existing, redis.call('PTTL', KEYS[1])} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return false
 "#;
@@ -122,17 +124,23 @@ impl FastLayer for RedisLayer {
         &'a self,
         entry: &'a FastEntry,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<Option<FastEntry>, FastError>> {
+    ) -> BoxFuture<'a, Result<Option<(FastEntry, Duration)>, FastError>> {
         Box::pin(async move {
             let name = storage_key(&self.prefix, entry.key());
             let millis = ttl.as_millis().max(1) as u64;
             let mut invocation = self.get_or_mark.key(&name);
             invocation.arg(encode_entry(entry)).arg(millis);
-            let found: Option<Vec<u8>> = with_conn!(self.conn().await?, c => {
+            let found: Option<(Vec<u8>, i64)> = with_conn!(self.conn().await?, c => {
                 invocation.invoke_async(&mut c).await.map_err(backend)?
             });
             found
-                .map(|bytes| decode_entry(&bytes).map_err(FastError::Corrupt))
+                .map(|(bytes, pttl)| {
+                    // -1 (no expiry) is not one of ours; count it as none left.
+                    let left = Duration::from_millis(pttl.max(0) as u64);
+                    decode_entry(&bytes)
+                        .map(|entry| (entry, left))
+                        .map_err(FastError::Corrupt)
+                })
                 .transpose()
         })
     }

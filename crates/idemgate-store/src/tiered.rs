@@ -220,6 +220,30 @@ impl Store {
         }
     }
 
+    /// The completed answer for `key` and `fingerprint` that this process
+    /// holds in memory (the in-process layer, or the copies kept in front of
+    /// Redis), with the record's expiry: a replay answered without a claim,
+    /// a round trip or a task. `None` is no answer either way; the claim
+    /// decides.
+    pub fn replay_in_memory(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+    ) -> Option<(StoredResponse, i64)> {
+        match self.fast.as_ref()?.peek(key)? {
+            (
+                FastEntry::Completed {
+                    key: found,
+                    fingerprint: seen,
+                    response,
+                    expires_at_ms,
+                },
+                _,
+            ) if found == *key && seen == fingerprint => Some((response, expires_at_ms)),
+            _ => None,
+        }
+    }
+
     /// Claims `key` for the request with `fingerprint`.
     pub async fn claim(
         &self,
@@ -244,7 +268,9 @@ impl Store {
                 .await
             {
                 Some(None) => marked = true,
-                Some(Some(entry)) if entry.key() == key && entry.fingerprint() == fingerprint => {
+                Some(Some((entry, _)))
+                    if entry.key() == key && entry.fingerprint() == fingerprint =>
+                {
                     match entry {
                         FastEntry::Completed {
                             response,
@@ -264,7 +290,7 @@ impl Store {
                         }
                     }
                 }
-                Some(Some(entry)) if entry.key() != key => {
+                Some(Some((entry, _))) if entry.key() != key => {
                     // A value that is not ours under our key: never trust
                     // it, let SQL decide, and count it.
                     self.metrics.fallback(fast.layer());

@@ -230,14 +230,15 @@ impl Records {
             config.store.archive,
         );
         // Purges made elsewhere (the CLI, another instance) reach this
-        // process's in-process fast layer through the purge log.
+        // process's in-process layer (the fast layer, or the copies of
+        // completed answers kept in front of Redis) through the purge log.
         let purge_follower = memory
             .clone()
             .map(|memory| idemgate_store::purges::follow(store.sql().clone(), memory));
         if let Some(memory) = memory.clone() {
             metrics.gauge(
                 "idemgate_memory_layer_bytes",
-                "Bytes the in-process fast layer holds (store.memory_layer_bytes at most).",
+                "Bytes the in-process layer holds: the fast layer, or with Redis the answers kept near (store.memory_layer_bytes at most).",
                 move || memory.bytes() as u64,
             );
         }

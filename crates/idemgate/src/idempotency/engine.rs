@@ -295,6 +295,12 @@ impl Engine {
             None => (fingerprint, None),
         };
         let key = policy.record_key(scope, &self.settings.route, key);
+        // A finished request this process holds the answer to is replayed
+        // here, on the request's task: nothing is claimed, so nothing
+        // needs a task that outlives the client.
+        if let Some((stored, expires_at_ms)) = self.store.replay_in_memory(&key, &fingerprint) {
+            return replay(stored, expires_at_ms);
+        }
         if let Some(refusal) = replay_only {
             return self
                 .replay_or_refuse::<P>(&key, &fingerprint, refusal)
