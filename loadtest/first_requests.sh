@@ -4,7 +4,9 @@
 # Redis, one gateway (Redis + Postgres) in front of nginx, and `loadgen`
 # sending a new key every request. Prints, per first request: Postgres
 # statements by kind (calls, rows, mean ms), commits, WAL bytes and Redis
-# commands; and the rate. Then, on the same Postgres and cores, the
+# commands; and the rate. Then the peer (idempotent-proxy-server, when on
+# PATH or in IDEMGATE_PEER) under the same load, with its CPU per request
+# by party. Then, on the same Postgres and cores, the
 # yardstick — pgbench inserting one row per transaction (16 clients, as
 # run.sh) — with its CPU per insert by party. Writes
 # loadtest/results/first-requests.md.
