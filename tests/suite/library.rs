@@ -415,6 +415,47 @@ async fn the_sweeper_lives_as_long_as_any_layer() {
     drop(app);
 }
 
+/// A library app follows the purge log as a gateway does: after
+/// `idemgate keys purge` returns, the key it was replaying from memory
+/// executes again (before: replayed from memory for the whole retention).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_from_the_cli_reaches_a_library_apps_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/purge.db?mode=rwc", dir.path().display());
+    let idempotency = Idempotency::builder()
+        .database_url(&url)
+        .build()
+        .await
+        .unwrap();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let app = counted(idempotency.key_layer("orders"), calls.clone());
+    assert_eq!(
+        app.clone().oneshot(order("p-1")).await.unwrap().status(),
+        201
+    );
+    let replay = app.clone().oneshot(order("p-1")).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let config = dir.path().join("cli.toml");
+    std::fs::write(&config, format!("[store]\ndatabase_url = \"{url}\"\n")).unwrap();
+    let purge = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["keys", "purge", "orders", "p-1", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        purge.status.success(),
+        "{}",
+        String::from_utf8_lossy(&purge.stderr)
+    );
+    let after = app.clone().oneshot(order("p-1")).await.unwrap();
+    assert_eq!(after.status(), 201);
+    assert!(
+        after.headers().get("idempotent-replayed").is_none(),
+        "a purged key was replayed"
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
 /// What a library user sees on the wire: every answer names its request
 /// (`X-Request-Id`, the client's own kept), `/token` takes POST and GET
 /// only, `on_concurrent = wait` shares the first answer, and a handler past

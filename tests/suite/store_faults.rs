@@ -300,3 +300,60 @@ async fn kill_backends(base: &str, app: &str) {
     .unwrap();
     assert!(!killed.is_empty(), "no backend of the pool was found");
 }
+
+/// A purge this process could not read about must not be replayed from
+/// its memory: when the purge log cannot be read (here its table is gone),
+/// the follower forgets everything the in-process layer holds (before: it
+/// logged the failure and kept replaying).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_cannot_read_the_purge_log_forgets_what_it_holds() {
+    use idemgate_store::codec::FastEntry;
+    use idemgate_store::memory::MemoryLayer;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/follow.db?mode=rwc", dir.path().display());
+    let sql = SqlStore::connect(&SqlSettings {
+        url: url.clone(),
+        pool_size: 2,
+        timeout: Duration::from_millis(500),
+        tombstone: Duration::ZERO,
+        schema: None,
+        retention: settings().retention,
+        partition_span: settings().retention,
+    })
+    .await
+    .unwrap();
+    sql.migrate().await.unwrap();
+    let memory = Arc::new(MemoryLayer::new(100));
+    let key = RecordKey::new("s", "orders", "k-1");
+    let entry = FastEntry::Completed {
+        key: key.clone(),
+        fingerprint: "fp".into(),
+        response: idemgate_store::StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: bytes::Bytes::from_static(b"{}"),
+            body_kept: true,
+            request_id: "rid".into(),
+        },
+        expires_at_ms: 0,
+    };
+    memory.put(&entry, Duration::from_secs(60)).await.unwrap();
+    let follower = idemgate_store::purges::follow(sql.clone(), memory.clone());
+    // Reads succeed: what it holds stays.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(memory.peek(&key).is_some());
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    sqlx::query("DROP TABLE idempotency_purges")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while memory.peek(&key).is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "still replayable after the log failed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    follower.abort();
+}

@@ -244,6 +244,18 @@ impl MemoryLayer {
         removed
     }
 
+    /// Forgets everything (a purge may have been missed: the layer only
+    /// spares SQL a read, so forgetting is always safe).
+    pub fn clear(&self) -> usize {
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            removed += shard.entries.len();
+            *shard = Shard::default();
+        }
+        removed
+    }
+
     /// Drops expired entries (run by the sweeper).
     pub fn purge_expired(&self) -> usize {
         let now = Instant::now();

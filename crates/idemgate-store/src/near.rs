@@ -4,11 +4,13 @@
 //! the same answer fetched and decoded again for each retry of a key. A
 //! completed record never changes — it only leaves, by expiry or by an
 //! operator's purge — so this process may keep a copy of it and replay
-//! from memory. Both ways out are covered: the copy is kept for exactly
-//! the time Redis gives the entry (its `PTTL`, so no clock of the gateway's
-//! decides), and purges reach it through the purge log that every
-//! in-process layer follows ([`super::purges`]; a purge command reports
-//! success only after followers have read it).
+//! from memory. Both ways out are covered: the copy is kept for at most
+//! the time Redis still gives the entry (its `PTTL`, counted from before
+//! the question, so no clock of the gateway's decides), and purges reach it
+//! through the purge log that every in-process layer follows
+//! ([`super::purges`]; a purge command reports success only after
+//! followers have read it, and a follower that cannot read the log drops
+//! every copy).
 //!
 //! A copy is made when a replay reads a completed answer from Redis, not
 //! when an answer is written: most keys are never retried, and copying
@@ -45,11 +47,17 @@ impl NearLayer {
         NearLayer { shared, near }
     }
 
-    /// Keeps a copy of `entry` if it is a completed answer with time left.
-    fn keep(&self, entry: &FastEntry, left: Duration) {
-        if matches!(entry, FastEntry::Completed { .. }) && !left.is_zero() {
+    /// Keeps a copy of `found`, read under `asked`'s key, if it is a
+    /// completed answer of that very record with time left. A value that
+    /// names another record is never copied: it would be filed under the
+    /// record it names and replayed from memory without any check.
+    fn keep(&self, asked: &FastEntry, found: &FastEntry, left: Duration) {
+        if matches!(found, FastEntry::Completed { .. })
+            && found.key() == asked.key()
+            && !left.is_zero()
+        {
             // Cannot fail (an entry too large for the layer is not kept).
-            let _ = self.near.store(entry, left, false);
+            let _ = self.near.store(found, left, false);
         }
     }
 }
@@ -68,9 +76,12 @@ impl FastLayer for NearLayer {
             return Box::pin(std::future::ready(Ok(Some(found))));
         }
         Box::pin(async move {
+            // The time left is counted from before the question: the copy
+            // never outlives the entry by the answer's latency.
+            let asked_at = std::time::Instant::now();
             let found = self.shared.get_or_mark(entry, ttl).await?;
             if let Some((existing, left)) = &found {
-                self.keep(existing, *left);
+                self.keep(entry, existing, left.saturating_sub(asked_at.elapsed()));
             }
             Ok(found)
         })
@@ -261,5 +272,72 @@ mod tests {
             .unwrap();
         assert_eq!(near.forget("r", "k", None), 1);
         assert!(near.completed(&key).is_none());
+    }
+
+    /// A shared layer whose every key holds one forged value.
+    struct Forged(FastEntry);
+
+    impl FastLayer for Forged {
+        fn layer(&self) -> FallbackLayer {
+            FallbackLayer::Redis
+        }
+        fn get_or_mark<'a>(
+            &'a self,
+            _entry: &'a FastEntry,
+            _ttl: Duration,
+        ) -> BoxFuture<'a, Result<Option<(FastEntry, Duration)>, FastError>> {
+            Box::pin(std::future::ready(Ok(Some((
+                self.0.clone(),
+                Duration::from_secs(60),
+            )))))
+        }
+        fn put<'a>(
+            &'a self,
+            _: &'a FastEntry,
+            _: Duration,
+        ) -> BoxFuture<'a, Result<(), FastError>> {
+            Box::pin(std::future::ready(Ok(())))
+        }
+        fn remove<'a>(&'a self, _: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>> {
+            Box::pin(std::future::ready(Ok(())))
+        }
+        fn ping(&self) -> BoxFuture<'_, Result<(), FastError>> {
+            Box::pin(std::future::ready(Ok(())))
+        }
+        fn announce<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), FastError>> {
+            Box::pin(std::future::ready(Ok(())))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_value_naming_another_record_is_never_copied() {
+        // Under k's storage key, a value that says it is another scope's
+        // record: the tiered store ignores it, and no copy may file it
+        // under the record it names (it would be replayed from memory).
+        let FastEntry::Completed {
+            fingerprint,
+            response,
+            expires_at_ms,
+            ..
+        } = completed("k")
+        else {
+            unreachable!()
+        };
+        let forged = FastEntry::Completed {
+            key: RecordKey::new("other-scope", "r", "k"),
+            fingerprint,
+            response,
+            expires_at_ms,
+        };
+        let near = Arc::new(MemoryLayer::new(1000));
+        let layer = NearLayer::new(Arc::new(Forged(forged.clone())), near.clone());
+        let (seen, _) = layer
+            .get_or_mark(&marker("k"), Duration::from_secs(30))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(seen, forged);
+        assert!(near.is_empty(), "a foreign value was copied");
+        assert!(layer.peek(forged.key()).is_none());
     }
 }

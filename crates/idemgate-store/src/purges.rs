@@ -4,12 +4,13 @@
 //! kept in front of Redis, [`super::near`]) lives in one gateway process; a
 //! purge made by the CLI or by another instance cannot touch it directly.
 //! Every purge is therefore logged in SQL (`idempotency_purges`), and every
-//! gateway follows that log: every [`FOLLOW_EVERY`] it
-//! reads the purges past the last one it saw (and a trailing window before
-//! it: ids of concurrent purges may commit out of order; forgetting twice
-//! is harmless) and forgets their keys. A purge command waits [`settle`]
-//! before it reports success, so that when the operator is told "purged",
-//! no layer still replays the key.
+//! gateway (and every application built on the library) follows that log:
+//! every [`FOLLOW_EVERY`] it reads the purges past the last one it saw (and
+//! a trailing window before it: ids of concurrent purges may commit out of
+//! order; forgetting twice is harmless) and forgets their keys; when a read
+//! fails it forgets everything the layer holds. A purge command waits
+//! [`settle`] before it reports success, so that when the operator is told
+//! "purged", no layer still replays the key.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,7 +57,10 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, layer = "memory", "reading the purge log failed; retrying")
+                    // A purge made meanwhile must not be replayed from
+                    // here: without the log, nothing held is known good.
+                    let dropped = memory.clear();
+                    tracing::warn!(error = %e, dropped, layer = "memory", "reading the purge log failed; dropped what the in-process layer held, retrying")
                 }
             }
         }

@@ -205,8 +205,8 @@ impl Builder {
         self
     }
 
-    /// Opens the store, applies its migrations and starts the sweeper.
-    /// Call it inside a tokio runtime.
+    /// Opens the store, applies its migrations and starts the sweeper and
+    /// the purge-log follower. Call it inside a tokio runtime.
     pub async fn build(self) -> Result<Idempotency, StoreError> {
         let metrics = Arc::new(Metrics::default());
         // Postgres sizes its record partitions by the sweep interval too.
@@ -215,6 +215,12 @@ impl Builder {
             ..self.store.clone()
         };
         let (store, memory) = idemgate_store::open(&options, metrics.clone()).await?;
+        // Purges made elsewhere (`idemgate keys purge`, a gateway's admin
+        // API) reach the answers this process holds in memory through the
+        // purge log, as in the gateway.
+        let purge_follower = memory
+            .clone()
+            .map(|memory| idemgate_store::purges::follow(store.sql().clone(), memory));
         let sweeper = idemgate_store::sweep::spawn(
             store.sql().clone(),
             memory,
@@ -233,6 +239,7 @@ impl Builder {
                 answer_budget: AnswerBudget::new(DEFAULT_MAX_CAPTURED_BYTES),
                 settings: self,
                 _sweeper: AbortOnDrop(sweeper),
+                _purge_follower: purge_follower.map(AbortOnDrop),
             }),
         })
     }
@@ -241,7 +248,7 @@ impl Builder {
 /// The store and settings every layer of an application shares.
 ///
 /// Cheap to clone. Its background work (the sweeper that retires expired
-/// records) lives as long as this handle *or any layer made from it*: the
+/// records, the follower of the purge log) lives as long as this handle *or any layer made from it*: the
 /// common `fn app() -> Router` may drop the handle once its layers are
 /// mounted.
 #[derive(Clone)]
@@ -263,6 +270,7 @@ struct Shared {
     /// layer.
     answer_budget: AnswerBudget,
     _sweeper: AbortOnDrop,
+    _purge_follower: Option<AbortOnDrop>,
 }
 
 impl Idempotency {

@@ -297,8 +297,12 @@ impl Engine {
         let key = policy.record_key(scope, &self.settings.route, key);
         // A finished request this process holds the answer to is replayed
         // here, on the request's task: nothing is claimed, so nothing
-        // needs a task that outlives the client.
-        if let Some((stored, expires_at_ms)) = self.store.replay_in_memory(&key, &fingerprint) {
+        // needs a task that outlives the client. Unless this process holds
+        // the key for the same request again (a purged key re-executing):
+        // the claim's path answers that, as it would have.
+        if let Some((stored, expires_at_ms)) = self.store.replay_in_memory(&key, &fingerprint)
+            && self.holders.holds_unrecorded(&key, &fingerprint).is_none()
+        {
             return replay(stored, expires_at_ms);
         }
         if let Some(refusal) = replay_only {
