@@ -637,6 +637,11 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
         metric(&metrics, "idemgate_claims_refused_total{limit=\"answers\"}"),
         1
     );
+    // What fills it is shown: at least all but one reserve of the budget.
+    assert!(
+        metric(&metrics, "idemgate_answer_bytes_held") > 512 * 1024 - 64 * 1024,
+        "{metrics}"
+    );
     assert!(
         stack
             .gateway
@@ -664,5 +669,15 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
     assert_eq!(executions(&stack, "slow"), 9);
     assert_eq!(executions(&stack, "big"), 1);
     assert_eq!(executions(&stack, "small"), 1);
+    // And the gauge says so once every holder has finished.
+    let drained = support::eventually(Duration::from_secs(5), || async {
+        let text = stack.http.get(&stack.admin("/metrics")).await.body;
+        metric(
+            &String::from_utf8_lossy(&text),
+            "idemgate_answer_bytes_held",
+        ) == 0
+    })
+    .await;
+    assert!(drained, "answer budget not given back");
     stack.shutdown().await;
 }

@@ -131,6 +131,12 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
         std::sync::atomic::Ordering::Relaxed,
     );
     let shared = Arc::new(Shared::new(plan, &metrics, &records, &budgets, threads));
+    let answers = shared.answer_budget.clone();
+    metrics.gauge(
+        "idemgate_answer_bytes_held",
+        "Bytes of upstream answers held or reserved until their record is written (server.max_captured_bytes; passed only by answers already in hand).",
+        move || answers.held(),
+    );
     // Built once here so that a bad route fails the start, not a thread.
     routes::build_router(&shared, &records.store)?;
     if shared.random_secret && !shared.token_routes.is_empty() {
