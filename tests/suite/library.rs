@@ -422,13 +422,16 @@ async fn the_sweeper_lives_as_long_as_any_layer() {
 async fn a_purge_from_the_cli_reaches_a_library_apps_memory() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}/purge.db?mode=rwc", dir.path().display());
-    let idempotency = Idempotency::builder()
-        .database_url(&url)
-        .build()
-        .await
-        .unwrap();
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-    let app = counted(idempotency.key_layer("orders"), calls.clone());
+    let app = {
+        let idempotency = Idempotency::builder()
+            .database_url(&url)
+            .build()
+            .await
+            .unwrap();
+        counted(idempotency.key_layer("orders"), calls.clone())
+        // The handle is dropped here: the follower lives with the layers.
+    };
     assert_eq!(
         app.clone().oneshot(order("p-1")).await.unwrap().status(),
         201

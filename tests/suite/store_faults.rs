@@ -303,10 +303,11 @@ async fn kill_backends(base: &str, app: &str) {
 
 /// A purge this process could not read about must not be replayed from
 /// its memory: when the purge log cannot be read (here its table is gone),
-/// the follower forgets everything the in-process layer holds (before: it
-/// logged the failure and kept replaying).
+/// the answers the in-process layer holds stop being replayed within one
+/// settle time (before: the follower logged the failure and the layer kept
+/// replaying).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_follower_that_cannot_read_the_purge_log_forgets_what_it_holds() {
+async fn a_follower_that_cannot_read_the_purge_log_stops_replays_from_memory() {
     use idemgate_store::codec::FastEntry;
     use idemgate_store::memory::MemoryLayer;
     let dir = tempfile::tempdir().unwrap();

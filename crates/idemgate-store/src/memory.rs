@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,6 +44,14 @@ pub struct MemoryLayer {
     hasher: RandomState,
     max_entries_per_shard: usize,
     max_bytes_per_shard: usize,
+    /// Until when its completed answers may be replayed, in nanoseconds
+    /// after `base` (`u64::MAX`: always, where nobody follows purges). The
+    /// purge-log follower moves it on after each read of the log
+    /// ([`super::purges`]): a follower that stalls, fails or dies lets it
+    /// lapse, and replays go to Redis or SQL, so a purge reported done is
+    /// never replayed from here however the follower fares.
+    trusted_until: AtomicU64,
+    base: Instant,
 }
 
 #[derive(Default)]
@@ -151,6 +160,30 @@ impl MemoryLayer {
             hasher: RandomState::new(),
             max_entries_per_shard: max_entries.div_ceil(SHARDS).max(1),
             max_bytes_per_shard: (max_bytes / SHARDS).max(ENTRY_OVERHEAD * 4),
+            trusted_until: AtomicU64::new(u64::MAX),
+            base: Instant::now(),
+        }
+    }
+
+    /// Completed answers may be replayed until `until` and not after
+    /// (markers are not affected: they never replay anything).
+    pub fn trust_until(&self, until: Instant) {
+        let nanos = until.saturating_duration_since(self.base).as_nanos();
+        self.trusted_until.store(
+            u64::try_from(nanos).unwrap_or(u64::MAX - 1),
+            Ordering::Release,
+        );
+    }
+
+    /// Whether `entry` may be answered at `now`.
+    fn usable(&self, entry: &FastEntry, now: Instant) -> bool {
+        match entry {
+            FastEntry::InFlight { .. } => true,
+            FastEntry::Completed { .. } => {
+                let until = self.trusted_until.load(Ordering::Acquire);
+                until == u64::MAX
+                    || now.saturating_duration_since(self.base).as_nanos() < u128::from(until)
+            }
         }
     }
 
@@ -174,6 +207,7 @@ impl MemoryLayer {
         if let Some(slot) = shard.entries.get(entry.key())
             && only_if_absent
             && slot.expires > now
+            && self.usable(&slot.entry, now)
         {
             let existing = (slot.entry.clone(), slot.expires - now);
             shard.touch(entry.key());
@@ -213,7 +247,10 @@ impl MemoryLayer {
         let now = Instant::now();
         let mut shard = self.shard(key);
         let slot = shard.entries.get(key)?;
-        if slot.expires <= now || !matches!(*slot.entry, FastEntry::Completed { .. }) {
+        if slot.expires <= now
+            || !matches!(*slot.entry, FastEntry::Completed { .. })
+            || !self.usable(&slot.entry, now)
+        {
             return None;
         }
         let found = ((*slot.entry).clone(), slot.expires - now);
@@ -240,18 +277,6 @@ impl MemoryLayer {
             for k in &matching {
                 removed += usize::from(shard.remove(k));
             }
-        }
-        removed
-    }
-
-    /// Forgets everything (a purge may have been missed: the layer only
-    /// spares SQL a read, so forgetting is always safe).
-    pub fn clear(&self) -> usize {
-        let mut removed = 0;
-        for shard in &self.shards {
-            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
-            removed += shard.entries.len();
-            *shard = Shard::default();
         }
         removed
     }
@@ -406,5 +431,43 @@ mod tests {
             layer.forget("r", &format!("k{i}"), None);
         }
         assert_eq!((layer.len(), layer.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn completed_answers_are_replayed_only_while_purges_are_followed() {
+        let layer = MemoryLayer::new(100);
+        let hour = Duration::from_secs(3600);
+        layer.store(&completed("done", 10), hour, false).unwrap();
+        let marker = FastEntry::InFlight {
+            key: RecordKey::new("s", "r", "busy"),
+            fingerprint: "fp".into(),
+            expires_at_ms: 0,
+        };
+        layer.store(&marker, hour, false).unwrap();
+        let done = RecordKey::new("s", "r", "done");
+        // Nobody follows purges here: always.
+        assert!(layer.completed(&done).is_some());
+        // The follower's last read has lapsed: no replay from memory, and
+        // a claim finds the key free here (SQL decides); markers still
+        // turn duplicates away.
+        layer.trust_until(Instant::now() - Duration::from_millis(1));
+        assert!(layer.completed(&done).is_none());
+        assert!(
+            layer
+                .store(&completed("done", 10), hour, true)
+                .unwrap()
+                .is_none()
+        );
+        layer.store(&completed("done", 10), hour, false).unwrap();
+        assert!(layer.store(&marker, hour, true).unwrap().is_some());
+        // Read again: replayed again.
+        layer.trust_until(Instant::now() + Duration::from_secs(2));
+        assert!(layer.completed(&done).is_some());
+        assert!(
+            layer
+                .store(&completed("done", 10), hour, true)
+                .unwrap()
+                .is_some()
+        );
     }
 }

@@ -7,13 +7,15 @@
 //! gateway (and every application built on the library) follows that log:
 //! every [`FOLLOW_EVERY`] it reads the purges past the last one it saw (and
 //! a trailing window before it: ids of concurrent purges may commit out of
-//! order; forgetting twice is harmless) and forgets their keys; when a read
-//! fails it forgets everything the layer holds. A purge command waits
-//! [`settle`] before it reports success, so that when the operator is told
-//! "purged", no layer still replays the key.
+//! order; forgetting twice is harmless) and forgets their keys. A purge
+//! command waits [`settle`] before it reports success, so that when the
+//! operator is told "purged", no layer still replays the key — and a layer
+//! whose follower has not read the log within that time (a failed read, a
+//! stalled runtime, a follower gone) replays nothing from memory until it
+//! has.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::memory::MemoryLayer;
 use super::sql::SqlStore;
@@ -31,13 +33,24 @@ pub fn settle(store_timeout: Duration) -> Duration {
 /// Logged purges older than this are trimmed by the sweeper.
 pub const KEEP_FOR: Duration = Duration::from_secs(3600);
 
-/// Follows the purge log into `memory` until the task is aborted.
+/// Follows the purge log into `memory` until the task is aborted. From
+/// this call on, `memory` replays completed answers only while the log has
+/// been read recently enough: until a read that started at `R` has
+/// succeeded, nothing purged before `R` is known to be forgotten, and a
+/// purge is reported done [`settle`] after it was logged — so each
+/// successful read lets answers be replayed until `R + settle`.
 pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandle<()> {
+    let settle = settle(sql.timeout());
+    memory.trust_until(Instant::now());
     tokio::spawn(async move {
         // Purges from before this process started touched nothing it holds.
         let mut last = loop {
+            let started = Instant::now();
             match sql.last_purge().await {
-                Ok(last) => break last,
+                Ok(last) => {
+                    memory.trust_until(started + settle);
+                    break last;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, layer = "memory", "reading the purge log failed; retrying");
                     tokio::time::sleep(FOLLOW_EVERY).await;
@@ -48,6 +61,7 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
+            let started = Instant::now();
             match sql.purges_since((last - TRAILING).max(0)).await {
                 Ok(purges) => {
                     for purge in purges {
@@ -55,12 +69,12 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
                         tracing::debug!(route = %purge.route, key = %super::key_ref(&purge.key), forgotten = n, layer = "memory", "followed a purge");
                         last = last.max(purge.id);
                     }
+                    memory.trust_until(started + settle);
                 }
                 Err(e) => {
-                    // A purge made meanwhile must not be replayed from
-                    // here: without the log, nothing held is known good.
-                    let dropped = memory.clear();
-                    tracing::warn!(error = %e, dropped, layer = "memory", "reading the purge log failed; dropped what the in-process layer held, retrying")
+                    // Until a read succeeds, the trust of the last one
+                    // lapses: replays then come from Redis or SQL.
+                    tracing::warn!(error = %e, layer = "memory", "reading the purge log failed; answers in memory are not replayed until it is read again")
                 }
             }
         }

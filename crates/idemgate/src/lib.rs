@@ -7,7 +7,8 @@
 //! # Layout
 //!
 //! - [`Idempotency`] and [`Builder`]: what every layer of an application
-//!   shares (the store, the sweeper, the claims it holds), and a layer per
+//!   shares (the store, the sweeper, the purge-log follower, the claims it
+//!   holds), and a layer per
 //!   route — key, token or callback.
 //! - [`idempotency`]: the engine (claim → hold → replay), the holder that
 //!   sees a won claim through whatever its client does, and
