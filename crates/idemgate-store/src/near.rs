@@ -274,8 +274,23 @@ mod tests {
         assert!(near.completed(&key).is_none());
     }
 
-    /// A shared layer whose every key holds one forged value.
-    struct Forged(FastEntry);
+    /// A shared layer whose every key holds one value with `left` to live,
+    /// answered `after` the question.
+    struct Forged {
+        value: FastEntry,
+        left: Duration,
+        after: Duration,
+    }
+
+    impl Forged {
+        fn holding(value: FastEntry) -> Self {
+            Forged {
+                value,
+                left: Duration::from_secs(60),
+                after: Duration::ZERO,
+            }
+        }
+    }
 
     impl FastLayer for Forged {
         fn layer(&self) -> FallbackLayer {
@@ -286,10 +301,10 @@ mod tests {
             _entry: &'a FastEntry,
             _ttl: Duration,
         ) -> BoxFuture<'a, Result<Option<(FastEntry, Duration)>, FastError>> {
-            Box::pin(std::future::ready(Ok(Some((
-                self.0.clone(),
-                Duration::from_secs(60),
-            )))))
+            Box::pin(async move {
+                tokio::time::sleep(self.after).await;
+                Ok(Some((self.value.clone(), self.left)))
+            })
         }
         fn put<'a>(
             &'a self,
@@ -330,7 +345,7 @@ mod tests {
             expires_at_ms,
         };
         let near = Arc::new(MemoryLayer::new(1000));
-        let layer = NearLayer::new(Arc::new(Forged(forged.clone())), near.clone());
+        let layer = NearLayer::new(Arc::new(Forged::holding(forged.clone())), near.clone());
         let (seen, _) = layer
             .get_or_mark(&marker("k"), Duration::from_secs(30))
             .await
@@ -339,5 +354,27 @@ mod tests {
         assert_eq!(seen, forged);
         assert!(near.is_empty(), "a foreign value was copied");
         assert!(layer.peek(forged.key()).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_copy_never_outlives_the_entry_by_the_answers_latency() {
+        // The entry has 300 ms left when Redis answers, 200 ms after the
+        // question: the copy gets at most 100 ms, not 300.
+        let near = Arc::new(MemoryLayer::new(1000));
+        let shared = Forged {
+            value: completed("k"),
+            left: Duration::from_millis(300),
+            after: Duration::from_millis(200),
+        };
+        let layer = NearLayer::new(Arc::new(shared), near.clone());
+        layer
+            .get_or_mark(&marker("k"), Duration::from_secs(30))
+            .await
+            .unwrap()
+            .unwrap();
+        let (_, left) = near
+            .completed(&RecordKey::new("s", "r", "k"))
+            .expect("kept");
+        assert!(left <= Duration::from_millis(100), "{left:?}");
     }
 }
