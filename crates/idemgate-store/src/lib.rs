@@ -335,15 +335,15 @@ impl Default for StoreOptions {
 pub async fn open(
     config: &StoreOptions,
     metrics: Arc<idemgate_core::metrics::Metrics>,
-) -> Result<(Store, Option<Arc<memory::MemoryLayer>>), StoreError> {
+) -> Result<(Store, Arc<memory::MemoryLayer>), StoreError> {
     let sql = sql::SqlStore::connect(&sql_settings(config, config.pool_size)).await?;
     sql.migrate().await?;
     // The in-process layer is the fast layer, or, with Redis, holds this
     // process's copies of completed answers (`near`).
-    let memory = Some(Arc::new(memory::MemoryLayer::with_budget(
+    let memory = Arc::new(memory::MemoryLayer::with_budget(
         memory::DEFAULT_MAX_ENTRIES,
         config.memory_layer_bytes,
-    )));
+    ));
     let fast = fast_layer(config, memory.clone())?;
     let channel = if !config.redis_url.is_empty() {
         settle::Channel::Redis
@@ -377,7 +377,7 @@ pub async fn open(
 pub async fn open_for_worker(
     config: &StoreOptions,
     shared: &Store,
-    memory: Option<Arc<memory::MemoryLayer>>,
+    memory: Arc<memory::MemoryLayer>,
     metrics: Arc<idemgate_core::metrics::Metrics>,
     workers: usize,
 ) -> Result<Store, StoreError> {
@@ -419,15 +419,10 @@ fn settings_of(config: &StoreOptions) -> StoreSettings {
 
 fn fast_layer(
     config: &StoreOptions,
-    memory: Option<Arc<memory::MemoryLayer>>,
+    memory: Arc<memory::MemoryLayer>,
 ) -> Result<Arc<dyn FastLayer>, StoreError> {
     if config.redis_url.is_empty() {
-        return Ok(memory.unwrap_or_else(|| {
-            Arc::new(memory::MemoryLayer::with_budget(
-                memory::DEFAULT_MAX_ENTRIES,
-                config.memory_layer_bytes,
-            ))
-        }));
+        return Ok(memory);
     }
     #[cfg(feature = "redis")]
     {
@@ -442,10 +437,7 @@ fn fast_layer(
                 cause: e.to_string(),
             })?,
         );
-        Ok(match memory {
-            Some(memory) => Arc::new(near::NearLayer::new(redis, memory)),
-            None => redis,
-        })
+        Ok(Arc::new(near::NearLayer::new(redis, memory)))
     }
     #[cfg(not(feature = "redis"))]
     Err(StoreError::Unavailable {

@@ -9,14 +9,15 @@
 //! the question, so no clock of the gateway's decides), and purges reach it
 //! through the purge log that every in-process layer follows
 //! ([`super::purges`]; a purge command reports success only after
-//! followers have read it, and a follower that cannot read the log drops
-//! every copy).
+//! followers have read it, and a process that has not read the log
+//! recently replays nothing from its copies).
 //!
 //! A copy is made when a replay reads a completed answer from Redis, not
 //! when an answer is written: most keys are never retried, and copying
 //! every answer would only push out the ones that are. Only completed
-//! answers are kept here. In-flight markers stay in Redis alone: they are what turns away a duplicate sent to another instance,
-//! and a marker seen by one process only would turn away nobody else.
+//! answers are kept here. In-flight markers stay in Redis alone: they are
+//! what turns away a duplicate sent to another instance, and a marker seen
+//! by one process only would turn away nobody else.
 //! The copies share the in-process layer's bounds
 //! (`store.memory_layer_bytes` and its entry count): past them the least
 //! recently used go first, and their replays come from Redis again.

@@ -218,12 +218,10 @@ impl Builder {
         // Purges made elsewhere (`idemgate keys purge`, a gateway's admin
         // API) reach the answers this process holds in memory through the
         // purge log, as in the gateway.
-        let purge_follower = memory
-            .clone()
-            .map(|memory| idemgate_store::purges::follow(store.sql().clone(), memory));
+        let purge_follower = idemgate_store::purges::follow(store.sql().clone(), memory.clone());
         let sweeper = idemgate_store::sweep::spawn(
             store.sql().clone(),
-            memory,
+            Some(memory),
             self.sweep_interval,
             self.archive,
         );
@@ -239,7 +237,7 @@ impl Builder {
                 answer_budget: AnswerBudget::new(DEFAULT_MAX_CAPTURED_BYTES),
                 settings: self,
                 _sweeper: AbortOnDrop(sweeper),
-                _purge_follower: purge_follower.map(AbortOnDrop),
+                _purge_follower: AbortOnDrop(purge_follower),
             }),
         })
     }
@@ -270,7 +268,7 @@ struct Shared {
     /// layer.
     answer_budget: AnswerBudget,
     _sweeper: AbortOnDrop,
-    _purge_follower: Option<AbortOnDrop>,
+    _purge_follower: AbortOnDrop,
 }
 
 impl Idempotency {

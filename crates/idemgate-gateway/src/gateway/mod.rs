@@ -65,7 +65,7 @@ pub struct RunningGateway {
     stop_consumers: tokio_util::sync::CancellationToken,
     consumers: idemgate_mq::Consumers,
     sweeper: JoinHandle<()>,
-    purge_follower: Option<JoinHandle<()>>,
+    purge_follower: JoinHandle<()>,
     tasks: Vec<JoinHandle<()>>,
     workers: Vec<std::thread::JoinHandle<()>>,
 }
@@ -90,9 +90,7 @@ impl RunningGateway {
         })
         .await;
         self.sweeper.abort();
-        if let Some(follower) = self.purge_follower {
-            follower.abort();
-        }
+        self.purge_follower.abort();
     }
 }
 
@@ -216,9 +214,9 @@ async fn bind(
 /// The store and its background work, on the calling runtime.
 struct Records {
     store: Store,
-    memory: Option<Arc<idemgate_store::memory::MemoryLayer>>,
+    memory: Arc<idemgate_store::memory::MemoryLayer>,
     sweeper: JoinHandle<()>,
-    purge_follower: Option<JoinHandle<()>>,
+    purge_follower: JoinHandle<()>,
 }
 
 impl Records {
@@ -231,23 +229,20 @@ impl Records {
             })?;
         let sweeper = idemgate_store::sweep::spawn(
             store.sql().clone(),
-            memory.clone(),
+            Some(memory.clone()),
             config.store.sweep_interval.get(),
             config.store.archive,
         );
         // Purges made elsewhere (the CLI, another instance) reach this
         // process's in-process layer (the fast layer, or the copies of
         // completed answers kept in front of Redis) through the purge log.
-        let purge_follower = memory
-            .clone()
-            .map(|memory| idemgate_store::purges::follow(store.sql().clone(), memory));
-        if let Some(memory) = memory.clone() {
-            metrics.gauge(
-                "idemgate_memory_layer_bytes",
-                "Bytes the in-process layer holds: the fast layer, or with Redis the answers kept near (store.memory_layer_bytes at most).",
-                move || memory.bytes() as u64,
-            );
-        }
+        let purge_follower = idemgate_store::purges::follow(store.sql().clone(), memory.clone());
+        let held = memory.clone();
+        metrics.gauge(
+            "idemgate_memory_layer_bytes",
+            "Bytes the in-process layer holds: the fast layer, or with Redis the answers kept near (store.memory_layer_bytes at most).",
+            move || held.bytes() as u64,
+        );
         Ok(Records {
             store,
             memory,
@@ -270,7 +265,7 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// The main runtime's store (admin, sweeper); workers open their own.
     store: Store,
-    memory: Option<Arc<idemgate_store::memory::MemoryLayer>>,
+    memory: Arc<idemgate_store::memory::MemoryLayer>,
     token_keys: Arc<TokenKeys>,
     /// No token secret was configured: a random one signs.
     random_secret: bool,
