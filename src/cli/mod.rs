@@ -174,8 +174,7 @@ async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
             if purged.removed > 0 {
                 // Until every gateway's in-process fast layer has read the
                 // purge log, one of them could still replay the key.
-                tokio::time::sleep(idemgate_store::purges::settle(config.store.timeout.get()))
-                    .await;
+                tokio::time::sleep(idemgate_store::purges::SETTLE).await;
             }
             println!("purged {} record(s)", purged.removed);
             if purged.held > 0 {

@@ -303,9 +303,11 @@ async fn kill_backends(base: &str, app: &str) {
 
 /// A purge this process could not read about must not be replayed from
 /// its memory: when the purge log cannot be read (here its table is gone),
-/// the answers the in-process layer holds stop being replayed within one
-/// settle time (before: the follower logged the failure and the layer kept
-/// replaying).
+/// the answers the in-process layer holds stop being replayed within the
+/// purge's wait, `SETTLE` — the same for every process whatever its own
+/// `store.timeout` (here 10 s: the purger may have been given 500 ms).
+/// Before: the follower logged the failure and the layer kept replaying;
+/// then, its trust was derived from its own timeout (11.3 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_that_cannot_read_the_purge_log_stops_replays_from_memory() {
     use idemgate_store::codec::FastEntry;
@@ -315,7 +317,7 @@ async fn a_follower_that_cannot_read_the_purge_log_stops_replays_from_memory() {
     let sql = SqlStore::connect(&SqlSettings {
         url: url.clone(),
         pool_size: 2,
-        timeout: Duration::from_millis(500),
+        timeout: Duration::from_secs(10),
         tombstone: Duration::ZERO,
         schema: None,
         retention: settings().retention,
@@ -348,7 +350,7 @@ async fn a_follower_that_cannot_read_the_purge_log_stops_replays_from_memory() {
         .execute(&pool)
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + idemgate_store::purges::SETTLE + Duration::from_millis(500);
     while memory.peek(&key).is_some() {
         assert!(
             Instant::now() < deadline,

@@ -249,8 +249,7 @@ async fn purge_key(
             if purged.removed > 0 {
                 // Other instances' in-process layers follow the purge log;
                 // answer once they have.
-                tokio::time::sleep(idemgate_store::purges::settle(state.store.sql().timeout()))
-                    .await;
+                tokio::time::sleep(idemgate_store::purges::SETTLE).await;
             }
             tracing::info!(route = %route, key = %idemgate_store::key_ref(&key), purged = purged.removed, layer = "admin", "records purged");
             Json(json!({"purged": purged.removed})).into_response()

@@ -52,6 +52,8 @@ pub struct MemoryLayer {
     /// never replayed from here however the follower fares.
     trusted_until: AtomicU64,
     base: Instant,
+    /// Purges applied so far (see [`Self::purges_seen`]).
+    purges: AtomicU64,
 }
 
 #[derive(Default)]
@@ -162,6 +164,7 @@ impl MemoryLayer {
             max_bytes_per_shard: (max_bytes / SHARDS).max(ENTRY_OVERHEAD * 4),
             trusted_until: AtomicU64::new(u64::MAX),
             base: Instant::now(),
+            purges: AtomicU64::new(0),
         }
     }
 
@@ -207,8 +210,14 @@ impl MemoryLayer {
         if let Some(slot) = shard.entries.get(entry.key())
             && only_if_absent
             && slot.expires > now
-            && self.usable(&slot.entry, now)
         {
+            if !self.usable(&slot.entry, now) {
+                // A finished answer not to be replayed from here just now:
+                // the request goes on to SQL, and no marker replaces the
+                // answer (it would turn the key's retries away as in
+                // flight).
+                return Ok(None);
+            }
             let existing = (slot.entry.clone(), slot.expires - now);
             shard.touch(entry.key());
             return Ok(Some(existing));
@@ -256,6 +265,20 @@ impl MemoryLayer {
         let found = ((*slot.entry).clone(), slot.expires - now);
         shard.touch(key);
         Some(found)
+    }
+
+    /// How many purges have been applied ([`Self::forget_purged`]): a copy
+    /// of an answer read before a purge must not be kept after the purge was
+    /// applied, so whoever copies reads this before the question and keeps
+    /// the copy only if it has not moved.
+    pub fn purges_seen(&self) -> u64 {
+        self.purges.load(Ordering::Acquire)
+    }
+
+    /// [`Self::forget`] for a purge read from the purge log.
+    pub fn forget_purged(&self, route: &str, key: &str, scope: Option<&str>) -> usize {
+        self.purges.fetch_add(1, Ordering::AcqRel);
+        self.forget(route, key, scope)
     }
 
     /// Forgets every entry of `route`/`key` (in `scope`, or in every scope);
@@ -448,19 +471,18 @@ mod tests {
         // Nobody follows purges here: always.
         assert!(layer.completed(&done).is_some());
         // The follower's last read has lapsed: no replay from memory, and
-        // a claim finds the key free here (SQL decides); markers still
-        // turn duplicates away.
+        // a claim finds nothing here (SQL decides) without a marker taking
+        // the answer's place; markers still turn duplicates away.
         layer.trust_until(Instant::now() - Duration::from_millis(1));
         assert!(layer.completed(&done).is_none());
-        assert!(
-            layer
-                .store(&completed("done", 10), hour, true)
-                .unwrap()
-                .is_none()
-        );
-        layer.store(&completed("done", 10), hour, false).unwrap();
+        let claim = FastEntry::InFlight {
+            key: done.clone(),
+            fingerprint: "fp".into(),
+            expires_at_ms: 0,
+        };
+        assert!(layer.store(&claim, hour, true).unwrap().is_none());
         assert!(layer.store(&marker, hour, true).unwrap().is_some());
-        // Read again: replayed again.
+        // Read again: the answer (not a marker) is replayed again.
         layer.trust_until(Instant::now() + Duration::from_secs(2));
         assert!(layer.completed(&done).is_some());
         assert!(

@@ -52,10 +52,14 @@ impl NearLayer {
     /// completed answer of that very record with time left. A value that
     /// names another record is never copied: it would be filed under the
     /// record it names and replayed from memory without any check.
-    fn keep(&self, asked: &FastEntry, found: &FastEntry, left: Duration) {
+    /// Nor is one read before a purge that was applied meanwhile
+    /// (`purges_seen` is what [`MemoryLayer::purges_seen`] said before the
+    /// question).
+    fn keep(&self, asked: &FastEntry, found: &FastEntry, left: Duration, purges_seen: u64) {
         if matches!(found, FastEntry::Completed { .. })
             && found.key() == asked.key()
             && !left.is_zero()
+            && self.near.purges_seen() == purges_seen
         {
             // Cannot fail (an entry too large for the layer is not kept).
             let _ = self.near.store(found, left, false);
@@ -80,9 +84,11 @@ impl FastLayer for NearLayer {
             // The time left is counted from before the question: the copy
             // never outlives the entry by the answer's latency.
             let asked_at = std::time::Instant::now();
+            let purges_seen = self.near.purges_seen();
             let found = self.shared.get_or_mark(entry, ttl).await?;
             if let Some((existing, left)) = &found {
-                self.keep(entry, existing, left.saturating_sub(asked_at.elapsed()));
+                let left = left.saturating_sub(asked_at.elapsed());
+                self.keep(entry, existing, left, purges_seen);
             }
             Ok(found)
         })
@@ -377,5 +383,34 @@ mod tests {
             .completed(&RecordKey::new("s", "r", "k"))
             .expect("kept");
         assert!(left <= Duration::from_millis(100), "{left:?}");
+    }
+
+    #[tokio::test]
+    async fn an_answer_read_before_a_purge_applied_meanwhile_is_not_copied() {
+        // The follower applies a purge while Redis's answer is on its way:
+        // that answer may predate the purge, so no copy is made of it.
+        let near = Arc::new(MemoryLayer::new(1000));
+        let shared = Forged {
+            value: completed("k"),
+            left: Duration::from_secs(60),
+            after: Duration::from_millis(100),
+        };
+        let layer = NearLayer::new(Arc::new(shared), near.clone());
+        let question = marker("k");
+        let (asked, _) = tokio::join!(
+            layer.get_or_mark(&question, Duration::from_secs(30)),
+            async {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                near.forget_purged("r", "k", Some("s"));
+            }
+        );
+        assert!(asked.unwrap().is_some());
+        assert!(near.is_empty(), "a copy outlived a purge applied meanwhile");
+        // Without a purge meanwhile, the copy is made.
+        layer
+            .get_or_mark(&marker("k"), Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert!(near.completed(&RecordKey::new("s", "r", "k")).is_some());
     }
 }

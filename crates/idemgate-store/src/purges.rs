@@ -8,7 +8,7 @@
 //! every [`FOLLOW_EVERY`] it reads the purges past the last one it saw (and
 //! a trailing window before it: ids of concurrent purges may commit out of
 //! order; forgetting twice is harmless) and forgets their keys. A purge
-//! command waits [`settle`] before it reports success, so that when the
+//! command waits [`SETTLE`] before it reports success, so that when the
 //! operator is told "purged", no layer still replays the key — and a layer
 //! whose follower has not read the log within that time (a failed read, a
 //! stalled runtime, a follower gone) replays nothing from memory until it
@@ -25,11 +25,13 @@ pub const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 /// Ids re-read behind the last one seen.
 const TRAILING: i64 = 100;
 
-/// How long a purge waits for every follower to have read it: a poll
-/// interval plus one read bounded by `store_timeout`, and a margin.
-pub fn settle(store_timeout: Duration) -> Duration {
-    FOLLOW_EVERY + store_timeout + Duration::from_millis(300)
-}
+/// How long a purge waits, once logged, before it reports success; and how
+/// long after the start of a successful read of the log a follower's layer
+/// may replay from memory. One constant, not derived from any process's
+/// own settings: the purger and every follower must agree on it, whatever
+/// `store.timeout` each was given (a poll interval, and two seconds for a
+/// read to finish before the layer stops replaying).
+pub const SETTLE: Duration = Duration::from_secs(3);
 /// Logged purges older than this are trimmed by the sweeper.
 pub const KEEP_FOR: Duration = Duration::from_secs(3600);
 
@@ -37,10 +39,9 @@ pub const KEEP_FOR: Duration = Duration::from_secs(3600);
 /// this call on, `memory` replays completed answers only while the log has
 /// been read recently enough: until a read that started at `R` has
 /// succeeded, nothing purged before `R` is known to be forgotten, and a
-/// purge is reported done [`settle`] after it was logged — so each
-/// successful read lets answers be replayed until `R + settle`.
+/// purge is reported done [`SETTLE`] after it was logged — so each
+/// successful read lets answers be replayed until `R + SETTLE`.
 pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandle<()> {
-    let settle = settle(sql.timeout());
     memory.trust_until(Instant::now());
     tokio::spawn(async move {
         // Purges from before this process started touched nothing it holds.
@@ -48,7 +49,7 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
             let started = Instant::now();
             match sql.last_purge().await {
                 Ok(last) => {
-                    memory.trust_until(started + settle);
+                    memory.trust_until(started + SETTLE);
                     break last;
                 }
                 Err(e) => {
@@ -65,11 +66,12 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
             match sql.purges_since((last - TRAILING).max(0)).await {
                 Ok(purges) => {
                     for purge in purges {
-                        let n = memory.forget(&purge.route, &purge.key, purge.scope.as_deref());
+                        let n =
+                            memory.forget_purged(&purge.route, &purge.key, purge.scope.as_deref());
                         tracing::debug!(route = %purge.route, key = %super::key_ref(&purge.key), forgotten = n, layer = "memory", "followed a purge");
                         last = last.max(purge.id);
                     }
-                    memory.trust_until(started + settle);
+                    memory.trust_until(started + SETTLE);
                 }
                 Err(e) => {
                     // Until a read succeeds, the trust of the last one
