@@ -106,11 +106,15 @@ async fn open_with_tombstone(
     let fast: Option<Arc<dyn FastLayer>> = match backend {
         Backend::Sqlite | Backend::Postgres => None,
         Backend::MemorySqlite => Some(Arc::new(MemoryLayer::new(10_000))),
+        // As the gateway composes it: Redis behind this process's copies
+        // of the answers it replays.
         Backend::RedisPostgres => {
             let (url, prefix) = services::redis(test).await?;
-            Some(Arc::new(
-                RedisLayer::new(&url, &prefix, Duration::from_millis(200)).unwrap(),
-            ))
+            let redis = RedisLayer::new(&url, &prefix, Duration::from_millis(200)).unwrap();
+            Some(Arc::new(idemgate_store::near::NearLayer::new(
+                Arc::new(redis),
+                Arc::new(MemoryLayer::new(10_000)),
+            )))
         }
     };
     let metrics = Arc::new(Metrics::default());

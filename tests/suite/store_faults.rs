@@ -31,8 +31,12 @@ async fn redis_store(test: &str) -> Option<(Store, PrivateRedis, Arc<Metrics>)> 
     .await
     .unwrap();
     sql.migrate().await.unwrap();
-    let fast: Arc<dyn FastLayer> =
-        Arc::new(RedisLayer::new(&redis.url(), PREFIX, Duration::from_millis(100)).unwrap());
+    // As the gateway composes it: Redis behind this process's copies of
+    // the answers it replays.
+    let fast: Arc<dyn FastLayer> = Arc::new(idemgate_store::near::NearLayer::new(
+        Arc::new(RedisLayer::new(&redis.url(), PREFIX, Duration::from_millis(100)).unwrap()),
+        Arc::new(idemgate_store::memory::MemoryLayer::new(10_000)),
+    ));
     let metrics = Arc::new(Metrics::default());
     Some((
         Store::new(sql, Some(fast), settings(), metrics.clone()),
