@@ -6,7 +6,9 @@
 //! has queued to the next free writer. There is no timer and no added wait:
 //! at low load every batch holds one job and runs at once; under load, jobs
 //! that arrive while the writer is busy share the next statement and its
-//! commit (the same idea as a database's group commit, one level up). Every
+//! commit (the same idea as a database's group commit, one level up; on
+//! SQLite, whose one connection writes everything in turn, claims and
+//! completions share one batcher and so one commit — `tiered.rs`). Every
 //! caller gets its own answer only after the commit that made its write
 //! durable.
 //!

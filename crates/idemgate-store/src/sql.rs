@@ -26,8 +26,9 @@
 //! transaction). `sql/rows.rs`: decoding a row into a [`Record`].
 //!
 //! SQLite runs on one connection: its writers serialise anyway, and a single
-//! connection never meets `SQLITE_BUSY` from its own pool. The one
-//! multi-statement transaction (archiving) uses `BEGIN IMMEDIATE`, because a
+//! connection never meets `SQLITE_BUSY` from its own pool. Its
+//! multi-statement transactions (a batch of claims and completions,
+//! archiving) use `BEGIN IMMEDIATE`, because a
 //! deferred `BEGIN` that reads then writes fails with `SQLITE_BUSY` without
 //! waiting for the busy timeout when another process (the CLI) writes.
 
@@ -58,7 +59,7 @@ mod batched;
 mod partitions;
 mod rows;
 
-pub use batched::{Completion, NewClaim};
+pub use batched::{Completion, NewClaim, Write, Written};
 use rows::{RawRecord, answer_for};
 
 /// Rows moved per sweep statement: small enough that a sweep never holds

@@ -29,7 +29,7 @@ use super::codec::FastEntry;
 use super::fast::FastLayer;
 use super::held::HeldConnection;
 use super::settle::{Channel, Settlements, Watch};
-use super::sql::{Completion, NewClaim, SqlStore};
+use super::sql::{Completion, NewClaim, SqlStore, Write, Written};
 use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
 use idemgate_core::metrics::Metrics;
 
@@ -76,6 +76,110 @@ fn completion_batcher(sql: &SqlStore, lane: Lane) -> Batcher<Completion, Option<
     )
 }
 
+/// The batch writers of claims and (small) completions.
+#[derive(Clone)]
+enum Writes {
+    /// Postgres: two writers on two connections, so a claim never waits
+    /// for a batch of completions (or the reverse), and each kind keeps
+    /// its own statement.
+    Apart {
+        claims: Batcher<NewClaim, Option<(i64, i64)>>,
+        completions: Batcher<Completion, Option<(Duration, bool)>>,
+    },
+    /// SQLite: its one connection writes in turn whatever the lanes, so
+    /// one writer takes both kinds and commits them together — one
+    /// transaction and one fsync where two writers took two.
+    Together(Batcher<Write, Written>),
+}
+
+impl Writes {
+    fn new(sql: &SqlStore) -> Self {
+        if sql.backend() == "sqlite" {
+            let (writer, releaser) = (sql.clone(), sql.clone());
+            let held = Arc::new(HeldConnection::default());
+            return Writes::Together(Batcher::spawn(
+                "write",
+                sql.timeout(),
+                move |batch: Vec<Write>| {
+                    let (sql, held) = (writer.clone(), held.clone());
+                    async move {
+                        let result = sql.write_many(&batch, &held).await;
+                        (batch, result)
+                    }
+                },
+                move |write, written| {
+                    if let (Write::Claim(claim), Written::Claim(won)) = (write, written) {
+                        release_orphan(&releaser, claim, won);
+                    }
+                },
+            ));
+        }
+        let (writer, releaser) = (sql.clone(), sql.clone());
+        let held = Arc::new(HeldConnection::default());
+        Writes::Apart {
+            claims: Batcher::spawn(
+                "claim",
+                sql.timeout(),
+                move |batch: Vec<NewClaim>| {
+                    let (sql, held) = (writer.clone(), held.clone());
+                    async move {
+                        let result = sql.insert_claims(&batch, &held).await;
+                        (batch, result)
+                    }
+                },
+                move |claim, won| release_orphan(&releaser, claim, won),
+            ),
+            completions: completion_batcher(sql, Lane::default()),
+        }
+    }
+
+    /// Inserts a fresh key's claim → its epoch and expiry where won.
+    async fn claim(&self, claim: NewClaim) -> Result<Option<(i64, i64)>, StoreError> {
+        match self {
+            Writes::Apart { claims, .. } => claims.submit(claim).await,
+            Writes::Together(writes) => match writes.submit(Write::Claim(claim)).await? {
+                Written::Claim(won) => Ok(won),
+                Written::Complete(_) => Err(mismatched("claim")),
+            },
+        }
+    }
+
+    /// Stores an outcome → the retention left and whether a duplicate
+    /// waits, where the epoch still held the claim.
+    async fn complete(
+        &self,
+        completion: Completion,
+    ) -> Result<Option<(Duration, bool)>, StoreError> {
+        match self {
+            Writes::Apart { completions, .. } => completions.submit(completion).await,
+            Writes::Together(writes) => match writes.submit(Write::Complete(completion)).await? {
+                Written::Complete(done) => Ok(done),
+                Written::Claim(_) => Err(mismatched("complete")),
+            },
+        }
+    }
+}
+
+/// A write answered with the other kind's answer (a bug in `write_many`).
+fn mismatched(op: &'static str) -> StoreError {
+    StoreError::Unavailable {
+        op,
+        cause: "the batch writer answered another kind of write".into(),
+    }
+}
+
+/// A claim won after its caller was told 503: nobody will forward it, so
+/// the key is given back at once rather than held until its lease.
+fn release_orphan(sql: &SqlStore, claim: NewClaim, won: Option<(i64, i64)>) {
+    if let Some((epoch, _)) = won {
+        let sql = sql.clone();
+        tokio::spawn(async move {
+            let released = sql.release(&claim.key, epoch).await;
+            tracing::info!(route = %claim.key.route, key = %claim.key.escaped(), layer = "store", ?released, "claim committed after its caller gave up; released");
+        });
+    }
+}
+
 /// Timing settings of the store (from `[store]`).
 #[derive(Debug, Clone, Copy)]
 pub struct StoreSettings {
@@ -89,8 +193,8 @@ pub struct StoreSettings {
 #[derive(Clone)]
 pub struct Store {
     sql: SqlStore,
-    claims: Batcher<NewClaim, Option<(i64, i64)>>,
-    completions: Batcher<Completion, Option<(Duration, bool)>>,
+    /// Claims and completions with small bodies.
+    writes: Writes,
     /// Completions with large bodies, in a lane of their own: a batch of
     /// megabyte answers takes its time to write, and the small ones (most
     /// of them) must not queue behind it.
@@ -126,36 +230,7 @@ impl Store {
         channel: Channel,
     ) -> Self {
         Store {
-            claims: {
-                let (writer, releaser) = (sql.clone(), sql.clone());
-                let held = Arc::new(HeldConnection::default());
-                Batcher::spawn(
-                    "claim",
-                    sql.timeout(),
-                    move |batch: Vec<NewClaim>| {
-                        let (sql, held) = (writer.clone(), held.clone());
-                        async move {
-                            let result = sql.insert_claims(&batch, &held).await;
-                            (batch, result)
-                        }
-                    },
-                    {
-                        // Won after its caller was told 503: nobody will
-                        // forward it, so the key is given back at once rather
-                        // than held until its lease.
-                        move |claim: NewClaim, won: Option<(i64, i64)>| {
-                            if let Some((epoch, _)) = won {
-                                let sql = releaser.clone();
-                                tokio::spawn(async move {
-                                    let released = sql.release(&claim.key, epoch).await;
-                                    tracing::info!(route = %claim.key.route, key = %claim.key.escaped(), layer = "store", ?released, "claim committed after its caller gave up; released");
-                                });
-                            }
-                        }
-                    },
-                )
-            },
-            completions: completion_batcher(&sql, Lane::default()),
+            writes: Writes::new(&sql),
             large_completions: completion_batcher(&sql, LARGE_LANE),
             sql,
             fast,
@@ -368,7 +443,7 @@ impl Store {
             retention: self.settings.retention,
             past_tombstone: false,
         };
-        if let Some((epoch, expires_at_ms)) = self.claims.submit(job.clone()).await? {
+        if let Some((epoch, expires_at_ms)) = self.writes.claim(job.clone()).await? {
             let won = Claim::Won {
                 epoch,
                 expires_at_ms,
@@ -437,18 +512,16 @@ impl Store {
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
         let started = Instant::now();
-        let lane = if response.body.len() > LARGE_BODY {
-            &self.large_completions
-        } else {
-            &self.completions
+        let completion = Completion {
+            key: key.clone(),
+            epoch,
+            response: response.clone(),
         };
-        let done = lane
-            .submit(Completion {
-                key: key.clone(),
-                epoch,
-                response: response.clone(),
-            })
-            .await?;
+        let done = if response.body.len() > LARGE_BODY {
+            self.large_completions.submit(completion).await?
+        } else {
+            self.writes.complete(completion).await?
+        };
         self.metrics.store_latency.observe(started.elapsed());
         self.after_completion(key, fingerprint, response, expires_at_ms, done)
             .await
