@@ -167,15 +167,12 @@ async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
             Ok(())
         }
         KeysAction::Purge { route, key, client } => {
+            // Answered once every gateway's in-process layer has read the
+            // purge log (or stopped replaying from memory).
             let purged = store
-                .purge_for_operator(&route, &key, scope(&client).as_deref())
+                .purge_settled(&route, &key, scope(&client).as_deref())
                 .await
                 .map_err(|e| e.to_string())?;
-            if purged.removed > 0 {
-                // Until every gateway's in-process fast layer has read the
-                // purge log, one of them could still replay the key.
-                tokio::time::sleep(idemgate_store::purges::SETTLE).await;
-            }
             println!("purged {} record(s)", purged.removed);
             if purged.held > 0 {
                 // A purge never lets a second request run beside the first.

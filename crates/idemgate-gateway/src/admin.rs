@@ -233,7 +233,7 @@ async fn purge_key(
     let scope = p.client.map(|c| state.identity.scope_for_operator(&c));
     match state
         .store
-        .purge_for_operator(&route, &key, scope.as_deref())
+        .purge_settled(&route, &key, scope.as_deref())
         .await
     {
         Ok(purged) if purged.held > 0 => {
@@ -246,11 +246,6 @@ async fn purge_key(
             .into_response()
         }
         Ok(purged) => {
-            if purged.removed > 0 {
-                // Other instances' in-process layers follow the purge log;
-                // answer once they have.
-                tokio::time::sleep(idemgate_store::purges::SETTLE).await;
-            }
             tracing::info!(route = %route, key = %idemgate_store::key_ref(&key), purged = purged.removed, layer = "admin", "records purged");
             Json(json!({"purged": purged.removed})).into_response()
         }

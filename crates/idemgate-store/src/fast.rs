@@ -56,6 +56,29 @@ pub trait FastLayer: Send + Sync + 'static {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<(), FastError>>;
 
+    /// How many purges this process's layer has applied from the purge log
+    /// (`purges.rs`); `None` where it keeps nothing in this process (Redis
+    /// alone). Read before a record is read from SQL, for
+    /// [`Self::put_unless_purged`].
+    fn purges_seen(&self) -> Option<u64> {
+        None
+    }
+
+    /// [`Self::put`] for an answer read from SQL (or just written there)
+    /// when this layer's purge count was `since`. If a purge was applied
+    /// meanwhile (it may have been this very record's, and an answer kept
+    /// after its purge would be replayed without another look), the key is
+    /// removed instead, as the purge would have removed it: the caller's
+    /// in-flight marker must not stay behind either.
+    fn put_unless_purged<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+        _since: Option<u64>,
+    ) -> BoxFuture<'a, Result<(), FastError>> {
+        self.put(entry, ttl)
+    }
+
     /// Forgets `key`.
     fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>>;
 

@@ -205,8 +205,35 @@ impl MemoryLayer {
         ttl: Duration,
         only_if_absent: bool,
     ) -> Result<Option<(Arc<FastEntry>, Duration)>, FastError> {
+        self.store_in(entry, ttl, only_if_absent, None)
+    }
+
+    /// Stores `entry` unless a purge was applied since [`Self::purges_seen`]
+    /// said `since` — an answer read before a purge must not be kept after
+    /// it; then removes what is stored under its key instead. Checked under
+    /// the shard's lock, which the purge's removal takes after counting
+    /// itself: either the purge is counted first and nothing is stored, or
+    /// the entry is stored first and the purge removes it.
+    pub fn store_unless_purged(&self, entry: &FastEntry, ttl: Duration, since: u64) {
+        // Cannot fail (an entry too large for the layer is not kept).
+        let _ = self.store_in(entry, ttl, false, Some(since));
+    }
+
+    fn store_in(
+        &self,
+        entry: &FastEntry,
+        ttl: Duration,
+        only_if_absent: bool,
+        unless_purged_since: Option<u64>,
+    ) -> Result<Option<(Arc<FastEntry>, Duration)>, FastError> {
         let now = Instant::now();
         let mut shard = self.shard(entry.key());
+        if unless_purged_since.is_some_and(|since| self.purges_seen() != since) {
+            // What is there (the caller's own in-flight marker, say) goes
+            // as the purge would have taken it.
+            shard.remove(entry.key());
+            return Ok(None);
+        }
         if let Some(slot) = shard.entries.get(entry.key())
             && only_if_absent
             && slot.expires > now
@@ -375,6 +402,25 @@ impl FastLayer for MemoryLayer {
         ))
     }
 
+    fn purges_seen(&self) -> Option<u64> {
+        Some(MemoryLayer::purges_seen(self))
+    }
+
+    fn put_unless_purged<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+        since: Option<u64>,
+    ) -> BoxFuture<'a, Result<(), FastError>> {
+        match since {
+            Some(since) => {
+                self.store_unless_purged(entry, ttl, since);
+                Box::pin(std::future::ready(Ok(())))
+            }
+            None => self.put(entry, ttl),
+        }
+    }
+
     fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>> {
         self.shard(key).remove(key);
         Box::pin(std::future::ready(Ok(())))
@@ -490,6 +536,35 @@ mod tests {
                 .store(&completed("done", 10), hour, true)
                 .unwrap()
                 .is_some()
+        );
+    }
+
+    /// An answer stored with the purge count read before a purge that has
+    /// since been applied is not kept, and what was under its key (the
+    /// claim's own in-flight marker) goes too; with the current count it
+    /// is kept.
+    #[test]
+    fn an_answer_read_before_a_purge_applied_since_is_not_kept() {
+        let layer = MemoryLayer::new(100);
+        let hour = Duration::from_secs(3600);
+        let key = RecordKey::new("s", "r", "k");
+        let marker = FastEntry::InFlight {
+            key: key.clone(),
+            fingerprint: "fp".into(),
+            expires_at_ms: 0,
+        };
+        let before = layer.purges_seen();
+        layer.store(&marker, hour, false).unwrap();
+        // A purge (of any key: the count does not say which) is applied.
+        layer.forget_purged("r", "other", None);
+        layer.store_unless_purged(&completed("k", 10), hour, before);
+        assert!(layer.completed(&key).is_none(), "kept after the purge");
+        let found = layer.store(&marker, hour, true).unwrap();
+        assert!(found.is_none(), "the marker stayed behind: {found:?}");
+        layer.store_unless_purged(&completed("k", 10), hour, layer.purges_seen());
+        assert!(
+            layer.completed(&key).is_some(),
+            "not kept with the current count"
         );
     }
 }

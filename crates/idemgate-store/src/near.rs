@@ -59,10 +59,8 @@ impl NearLayer {
         if matches!(found, FastEntry::Completed { .. })
             && found.key() == asked.key()
             && !left.is_zero()
-            && self.near.purges_seen() == purges_seen
         {
-            // Cannot fail (an entry too large for the layer is not kept).
-            let _ = self.near.store(found, left, false);
+            self.near.store_unless_purged(found, left, purges_seen);
         }
     }
 }
@@ -104,6 +102,27 @@ impl FastLayer for NearLayer {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<(), FastError>> {
         // Written to Redis only; its first replay makes the copy.
+        self.shared.put(entry, ttl)
+    }
+
+    fn purges_seen(&self) -> Option<u64> {
+        Some(self.near.purges_seen())
+    }
+
+    fn put_unless_purged<'a>(
+        &'a self,
+        entry: &'a FastEntry,
+        ttl: Duration,
+        since: Option<u64>,
+    ) -> BoxFuture<'a, Result<(), FastError>> {
+        // Redis is shared: a purge applied here was made by an operator,
+        // who also removed the key from Redis; writing back the answer read
+        // before it would undo that for every instance. (One that lands
+        // before this process has read the purge log is removed again by
+        // the purger once the purge has settled.)
+        if since.is_some_and(|since| since != self.near.purges_seen()) {
+            return self.shared.remove(entry.key());
+        }
         self.shared.put(entry, ttl)
     }
 

@@ -328,6 +328,9 @@ impl Store {
     ) -> Result<Claim, StoreError> {
         let started = Instant::now();
         let mut marked = false;
+        // Before SQL is read: a completed answer read there is not kept
+        // in this process if a purge is applied meanwhile.
+        let purges_seen = self.fast.as_ref().and_then(|fast| fast.purges_seen());
         if let Some(fast) = &self.fast {
             let marker = FastEntry::InFlight {
                 key: key.clone(),
@@ -404,7 +407,8 @@ impl Store {
                         response: response.clone(),
                         expires_at_ms: *expires_at_ms,
                     };
-                    self.fast("put", fast.put(&entry, left)).await;
+                    self.fast("put", fast.put_unless_purged(&entry, left, purges_seen))
+                        .await;
                 }
                 _ if marked => {
                     // Our marker must not outlive a claim that was not won:
@@ -512,6 +516,7 @@ impl Store {
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
         let started = Instant::now();
+        let purges_seen = self.fast.as_ref().and_then(|fast| fast.purges_seen());
         let completion = Completion {
             key: key.clone(),
             epoch,
@@ -523,7 +528,7 @@ impl Store {
             self.writes.complete(completion).await?
         };
         self.metrics.store_latency.observe(started.elapsed());
-        self.after_completion(key, fingerprint, response, expires_at_ms, done)
+        self.after_completion(key, fingerprint, response, expires_at_ms, done, purges_seen)
             .await
     }
 
@@ -537,8 +542,9 @@ impl Store {
         response: &StoredResponse,
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
+        let purges_seen = self.fast.as_ref().and_then(|fast| fast.purges_seen());
         let done = self.sql.complete_reconciled(key, epoch, response).await?;
-        self.after_completion(key, fingerprint, response, expires_at_ms, done)
+        self.after_completion(key, fingerprint, response, expires_at_ms, done, purges_seen)
             .await
     }
 
@@ -549,6 +555,7 @@ impl Store {
         response: &StoredResponse,
         expires_at_ms: i64,
         done: Option<(Duration, bool)>,
+        purges_seen: Option<u64>,
     ) -> Result<bool, StoreError> {
         let Some((left, watched)) = done else {
             // Refused by the fence: whatever the fast layer holds for this
@@ -556,7 +563,8 @@ impl Store {
             self.forget(key).await;
             return Ok(false);
         };
-        // The fast layer keeps the outcome exactly as long as the record.
+        // The fast layer keeps the outcome exactly as long as the record
+        // (unless it was purged as soon as it was written).
         if let Some(fast) = &self.fast {
             let entry = FastEntry::Completed {
                 key: key.clone(),
@@ -564,7 +572,8 @@ impl Store {
                 response: response.clone(),
                 expires_at_ms,
             };
-            self.fast("put", fast.put(&entry, left)).await;
+            self.fast("put", fast.put_unless_purged(&entry, left, purges_seen))
+                .await;
         }
         if watched {
             self.announce(key).await;
@@ -681,18 +690,33 @@ impl Store {
         self.sql.find(TOKEN_NAMESPACE, key).await
     }
 
-    /// [`Self::purge`] for operators (see [`Self::find_for_operator`]).
-    pub async fn purge_for_operator(
+    /// [`Self::purge`] for operators (a key found under no route is looked
+    /// for among the tokens, as [`Self::find_for_operator`] does), answered
+    /// once the purge has settled:
+    /// [`super::purges::SETTLE`] after it was logged, every process's
+    /// in-memory layer has applied it (or stopped replaying from memory),
+    /// and the fast layer is then cleared of the key once more — a claim
+    /// that read the completed record from SQL just before the purge may
+    /// have written it back just after the first removal, before its
+    /// process had read the purge log. What the admin API and the CLI run.
+    pub async fn purge_settled(
         &self,
         route: &str,
         key: &str,
         scope: Option<&str>,
     ) -> Result<super::sql::Purged, StoreError> {
-        let purged = self.purge(route, key, scope).await?;
-        if purged.removed > 0 || purged.held > 0 {
-            return Ok(purged);
+        let mut purged = self.purge_keys(route, key, scope).await?;
+        if purged.0.removed == 0 && purged.0.held == 0 {
+            purged = self.purge_keys(TOKEN_NAMESPACE, key, scope).await?;
         }
-        self.purge(TOKEN_NAMESPACE, key, scope).await
+        let (purged, keys) = purged;
+        if purged.removed > 0 {
+            tokio::time::sleep(super::purges::SETTLE).await;
+            for k in &keys {
+                self.forget(k).await;
+            }
+        }
+        Ok(purged)
     }
 
     /// Removes records from SQL and the fast layer, except those held under
@@ -703,6 +727,16 @@ impl Store {
         key: &str,
         scope: Option<&str>,
     ) -> Result<super::sql::Purged, StoreError> {
+        Ok(self.purge_keys(route, key, scope).await?.0)
+    }
+
+    /// [`Self::purge`], with the keys whose fast-layer entries it removed.
+    async fn purge_keys(
+        &self,
+        route: &str,
+        key: &str,
+        scope: Option<&str>,
+    ) -> Result<(super::sql::Purged, Vec<RecordKey>), StoreError> {
         let keys: Vec<RecordKey> = match scope {
             Some(scope) => vec![RecordKey::new(scope, route, key)],
             None => self
@@ -717,7 +751,7 @@ impl Store {
         for k in &keys {
             self.forget(k).await;
         }
-        Ok(removed)
+        Ok((removed, keys))
     }
 
     /// Drops whatever the fast layer holds for `key` (SQL answers next).
@@ -757,5 +791,155 @@ impl Store {
             Some(idemgate_core::metrics::FallbackLayer::Memory) => "memory",
             None => "none",
         }
+    }
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::*;
+    use crate::memory::MemoryLayer;
+    use crate::sql::SqlSettings;
+    use futures_util::future::BoxFuture;
+    use idemgate_core::metrics::FallbackLayer;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::super::fast::FastError;
+
+    /// The in-process layer, where a purge can be applied (as the purge
+    /// log's follower applies one) at the moment a claim asks the layer,
+    /// i.e. after the claim noted the purge count and before it reads SQL.
+    struct PurgedMeanwhile {
+        memory: Arc<MemoryLayer>,
+        purge_next: AtomicBool,
+    }
+
+    impl FastLayer for PurgedMeanwhile {
+        fn layer(&self) -> FallbackLayer {
+            FallbackLayer::Memory
+        }
+        fn get_or_mark<'a>(
+            &'a self,
+            entry: &'a FastEntry,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<Option<(FastEntry, Duration)>, FastError>> {
+            if self.purge_next.swap(false, Ordering::SeqCst) {
+                let key = entry.key();
+                self.memory.forget_purged(&key.route, &key.key, None);
+            }
+            self.memory.get_or_mark(entry, ttl)
+        }
+        fn peek(&self, key: &RecordKey) -> Option<(FastEntry, Duration)> {
+            self.memory.peek(key)
+        }
+        fn put<'a>(
+            &'a self,
+            entry: &'a FastEntry,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<(), FastError>> {
+            self.memory.put(entry, ttl)
+        }
+        fn purges_seen(&self) -> Option<u64> {
+            FastLayer::purges_seen(&*self.memory)
+        }
+        fn put_unless_purged<'a>(
+            &'a self,
+            entry: &'a FastEntry,
+            ttl: Duration,
+            since: Option<u64>,
+        ) -> BoxFuture<'a, Result<(), FastError>> {
+            self.memory.put_unless_purged(entry, ttl, since)
+        }
+        fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>> {
+            self.memory.remove(key)
+        }
+        fn ping(&self) -> BoxFuture<'_, Result<(), FastError>> {
+            self.memory.ping()
+        }
+        fn announce<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<(), FastError>> {
+            self.memory.announce(token)
+        }
+    }
+
+    /// A completed answer read from SQL while a purge was being applied in
+    /// this process is not written back to memory (from where it would be
+    /// replayed after the purge without another look), and the claim's
+    /// in-flight marker does not stay behind (it would turn the key's
+    /// retries away for a lease). Without a purge meanwhile, the same read
+    /// is written back.
+    #[tokio::test]
+    async fn an_answer_read_before_a_purge_is_not_kept_in_memory_after_it() {
+        let settings = StoreSettings {
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(3600),
+            fast_layer_budget: Duration::from_secs(1),
+        };
+        let sql = SqlStore::connect(&SqlSettings {
+            url: "sqlite::memory:".into(),
+            pool_size: 1,
+            timeout: Duration::from_secs(5),
+            tombstone: Duration::ZERO,
+            schema: None,
+            retention: settings.retention,
+            partition_span: settings.retention,
+        })
+        .await
+        .unwrap();
+        sql.migrate().await.unwrap();
+        let memory = Arc::new(MemoryLayer::new(100));
+        let layer = Arc::new(PurgedMeanwhile {
+            memory: memory.clone(),
+            purge_next: AtomicBool::new(false),
+        });
+        let store = Store::new(sql, Some(layer.clone()), settings, Arc::default());
+        let key = RecordKey::new("scope", "/orders", "k1");
+        let Claim::Won {
+            epoch,
+            expires_at_ms,
+            ..
+        } = store.claim(&key, "fp", "rid").await.unwrap()
+        else {
+            panic!("a fresh key was not won");
+        };
+        let response = StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: bytes::Bytes::from_static(b"{}"),
+            body_kept: true,
+            request_id: "rid".into(),
+        };
+        assert!(
+            store
+                .complete(&key, epoch, "fp", &response, expires_at_ms)
+                .await
+                .unwrap()
+        );
+        assert!(memory.completed(&key).is_some(), "the outcome is kept");
+
+        // Another process, say, that does not hold the answer: SQL replays
+        // it, and it is written back.
+        FastLayer::remove(&*memory, &key).await.unwrap();
+        let claim = store.claim(&key, "fp", "rid").await.unwrap();
+        assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
+        assert!(
+            memory.completed(&key).is_some(),
+            "the read was written back"
+        );
+
+        // The same read with a purge applied meanwhile.
+        FastLayer::remove(&*memory, &key).await.unwrap();
+        layer.purge_next.store(true, Ordering::SeqCst);
+        let claim = store.claim(&key, "fp", "rid").await.unwrap();
+        assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
+        assert!(
+            memory.completed(&key).is_none(),
+            "an answer read before a purge was kept after it"
+        );
+        assert!(
+            memory.peek(&key).is_none() && store.replay_in_memory(&key, "fp").is_none(),
+            "something stayed behind in memory"
+        );
+        // No marker either: the next claim asks SQL and is answered.
+        let claim = store.claim(&key, "fp", "rid").await.unwrap();
+        assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
     }
 }
