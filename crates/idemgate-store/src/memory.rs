@@ -37,6 +37,9 @@ pub const DEFAULT_MAX_BYTES: usize = 64 * 1024 * 1024;
 /// What an entry costs beyond its variable parts: the map slot, the
 /// recency index, the `Arc` and the entry's fixed fields.
 const ENTRY_OVERHEAD: usize = 256;
+/// How often a full shard looks for expired entries to drop before the
+/// least recently used (the sweeper drops expired entries besides).
+const EXPIRED_SCAN_EVERY: Duration = Duration::from_secs(1);
 
 /// The in-process fast layer.
 pub struct MemoryLayer {
@@ -63,6 +66,8 @@ struct Shard {
     recency: BTreeMap<u64, RecordKey>,
     tick: u64,
     bytes: usize,
+    /// When [`Shard::make_room`] last looked for expired entries.
+    expired_scan_at: Option<Instant>,
 }
 
 struct Slot {
@@ -108,14 +113,24 @@ impl Shard {
         if !over(self) {
             return;
         }
-        let expired: Vec<RecordKey> = self
-            .entries
-            .iter()
-            .filter(|(_, slot)| slot.expires <= now)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for key in &expired {
-            self.remove(key);
+        // A look for expired entries reads the whole shard: at most one per
+        // EXPIRED_SCAN_EVERY, not one per insert into a full shard (one
+        // per first request, each a pass over thousands of live entries
+        // under the lock). In between, the least recently used go.
+        if self
+            .expired_scan_at
+            .is_none_or(|at| now.saturating_duration_since(at) >= EXPIRED_SCAN_EVERY)
+        {
+            self.expired_scan_at = Some(now);
+            let expired: Vec<RecordKey> = self
+                .entries
+                .iter()
+                .filter(|(_, slot)| slot.expires <= now)
+                .map(|(k, _)| k.clone())
+                .collect();
+            for key in &expired {
+                self.remove(key);
+            }
         }
         while over(self) {
             let Some((_, oldest)) = self.recency.pop_first() else {
