@@ -58,6 +58,12 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
                 }
             }
         };
+        // Ids applied within the trailing window: each purge is applied
+        // (and counted, `MemoryLayer::purges_seen`) once, not on every
+        // re-read — a count that moved every second would keep answers
+        // read meanwhile out of memory, and a key purged and then run again
+        // would lose its new answer from memory every second.
+        let mut applied = std::collections::HashSet::new();
         let mut ticker = tokio::time::interval(FOLLOW_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -66,11 +72,15 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
             match sql.purges_since((last - TRAILING).max(0)).await {
                 Ok(purges) => {
                     for purge in purges {
+                        last = last.max(purge.id);
+                        if !applied.insert(purge.id) {
+                            continue;
+                        }
                         let n =
                             memory.forget_purged(&purge.route, &purge.key, purge.scope.as_deref());
                         tracing::debug!(route = %purge.route, key = %super::key_ref(&purge.key), forgotten = n, layer = "memory", "followed a purge");
-                        last = last.max(purge.id);
                     }
+                    applied.retain(|id| *id > last - TRAILING);
                     memory.trust_until(started + SETTLE);
                 }
                 Err(e) => {
@@ -81,4 +91,54 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
             }
         }
     })
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::*;
+    use crate::sql::SqlSettings;
+
+    /// The follower re-reads a window of ids behind the last one it saw
+    /// (late commits), but applies — and counts — each purge once: a count
+    /// that moved on every read would keep the answers read meanwhile out
+    /// of memory for as long as the purge stays in the window.
+    #[tokio::test]
+    async fn each_purge_is_applied_once_however_often_it_is_read_again() {
+        let sql = SqlStore::connect(&SqlSettings {
+            url: "sqlite::memory:".into(),
+            pool_size: 1,
+            timeout: Duration::from_secs(5),
+            tombstone: Duration::ZERO,
+            schema: None,
+            retention: Duration::from_secs(3600),
+            partition_span: Duration::from_secs(3600),
+        })
+        .await
+        .unwrap();
+        sql.migrate().await.unwrap();
+        let memory = Arc::new(MemoryLayer::new(100));
+        let follower = follow(sql.clone(), memory.clone());
+        // Let the follower note the log's end, then log one purge.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let key = crate::RecordKey::new("scope", "/orders", "k1");
+        let hour = Duration::from_secs(3600);
+        let crate::Claim::Won { epoch, .. } =
+            sql.claim(&key, "fp", "rid", hour, hour).await.unwrap()
+        else {
+            panic!("a fresh key was not won");
+        };
+        let response = crate::StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: bytes::Bytes::new(),
+            body_kept: true,
+            request_id: "rid".into(),
+        };
+        sql.complete(&key, epoch, &response).await.unwrap().unwrap();
+        assert_eq!(sql.purge("/orders", "k1", None).await.unwrap().removed, 1);
+        // Three reads of the log at least (one a second).
+        tokio::time::sleep(FOLLOW_EVERY * 3 + Duration::from_millis(300)).await;
+        follower.abort();
+        assert_eq!(memory.purges_seen(), 1, "one purge, applied once");
+    }
 }

@@ -94,16 +94,16 @@ enum Writes {
 
 impl Writes {
     fn new(sql: &SqlStore) -> Self {
+        #[cfg(feature = "sqlite")]
         if sql.backend() == "sqlite" {
             let (writer, releaser) = (sql.clone(), sql.clone());
-            let held = Arc::new(HeldConnection::default());
             return Writes::Together(Batcher::spawn(
                 "write",
                 sql.timeout(),
                 move |batch: Vec<Write>| {
-                    let (sql, held) = (writer.clone(), held.clone());
+                    let sql = writer.clone();
                     async move {
-                        let result = sql.write_many(&batch, &held).await;
+                        let result = sql.write_many(&batch).await;
                         (batch, result)
                     }
                 },
@@ -179,6 +179,21 @@ fn release_orphan(sql: &SqlStore, claim: NewClaim, won: Option<(i64, i64)>) {
         });
     }
 }
+
+/// What SQL was asked after: this process's purge count then, and when.
+#[derive(Debug, Clone, Copy)]
+struct BeforeReading {
+    purges_seen: Option<u64>,
+    at: Instant,
+}
+
+/// How long after SQL was asked an answer may still be written back to
+/// the fast layer: well within [`super::purges::SETTLE`], after which a
+/// purge made meanwhile removes the key from the fast layer a second time
+/// ([`Store::purge_settled`]); a write-back later than that (a process
+/// stalled for seconds) could land after that removal.
+const WRITE_BACK_WITHIN: Duration =
+    Duration::from_millis(super::purges::SETTLE.as_millis() as u64 / 2);
 
 /// Timing settings of the store (from `[store]`).
 #[derive(Debug, Clone, Copy)]
@@ -328,9 +343,9 @@ impl Store {
     ) -> Result<Claim, StoreError> {
         let started = Instant::now();
         let mut marked = false;
-        // Before SQL is read: a completed answer read there is not kept
-        // in this process if a purge is applied meanwhile.
-        let purges_seen = self.fast.as_ref().and_then(|fast| fast.purges_seen());
+        // Before SQL is read: a completed answer read there is written
+        // back only as a purge applied meanwhile allows.
+        let read = self.before_reading();
         if let Some(fast) = &self.fast {
             let marker = FastEntry::InFlight {
                 key: key.clone(),
@@ -407,8 +422,7 @@ impl Store {
                         response: response.clone(),
                         expires_at_ms: *expires_at_ms,
                     };
-                    self.fast("put", fast.put_unless_purged(&entry, left, purges_seen))
-                        .await;
+                    self.write_back(fast, &entry, left, read).await;
                 }
                 _ if marked => {
                     // Our marker must not outlive a claim that was not won:
@@ -516,7 +530,7 @@ impl Store {
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
         let started = Instant::now();
-        let purges_seen = self.fast.as_ref().and_then(|fast| fast.purges_seen());
+        let read = self.before_reading();
         let completion = Completion {
             key: key.clone(),
             epoch,
@@ -528,7 +542,7 @@ impl Store {
             self.writes.complete(completion).await?
         };
         self.metrics.store_latency.observe(started.elapsed());
-        self.after_completion(key, fingerprint, response, expires_at_ms, done, purges_seen)
+        self.after_completion(key, fingerprint, response, expires_at_ms, done, read)
             .await
     }
 
@@ -542,9 +556,9 @@ impl Store {
         response: &StoredResponse,
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
-        let purges_seen = self.fast.as_ref().and_then(|fast| fast.purges_seen());
+        let read = self.before_reading();
         let done = self.sql.complete_reconciled(key, epoch, response).await?;
-        self.after_completion(key, fingerprint, response, expires_at_ms, done, purges_seen)
+        self.after_completion(key, fingerprint, response, expires_at_ms, done, read)
             .await
     }
 
@@ -555,7 +569,7 @@ impl Store {
         response: &StoredResponse,
         expires_at_ms: i64,
         done: Option<(Duration, bool)>,
-        purges_seen: Option<u64>,
+        read: BeforeReading,
     ) -> Result<bool, StoreError> {
         let Some((left, watched)) = done else {
             // Refused by the fence: whatever the fast layer holds for this
@@ -572,13 +586,40 @@ impl Store {
                 response: response.clone(),
                 expires_at_ms,
             };
-            self.fast("put", fast.put_unless_purged(&entry, left, purges_seen))
-                .await;
+            self.write_back(fast, &entry, left, read).await;
         }
         if watched {
             self.announce(key).await;
         }
         Ok(true)
+    }
+
+    /// What a write-back of what SQL is about to say depends on.
+    fn before_reading(&self) -> BeforeReading {
+        BeforeReading {
+            purges_seen: self.fast.as_ref().and_then(|fast| fast.purges_seen()),
+            at: Instant::now(),
+        }
+    }
+
+    /// Writes a completed answer read from (or just written to) SQL back
+    /// to the fast layer — unless a purge was applied in this process
+    /// since, or the SQL half took so long that a purge made meanwhile may
+    /// already have settled (its purger's second removal from Redis has
+    /// run): then the key is removed instead, our own marker with it.
+    async fn write_back(
+        &self,
+        fast: &Arc<dyn FastLayer>,
+        entry: &FastEntry,
+        ttl: Duration,
+        read: BeforeReading,
+    ) {
+        if read.at.elapsed() < WRITE_BACK_WITHIN {
+            self.fast("put", fast.put_unless_purged(entry, ttl, read.purges_seen))
+                .await;
+        } else {
+            self.fast("remove", fast.remove(entry.key())).await;
+        }
     }
 
     /// Gives the claim up: the request had no effect upstream.
@@ -713,10 +754,41 @@ impl Store {
         if purged.removed > 0 {
             tokio::time::sleep(super::purges::SETTLE).await;
             for k in &keys {
-                self.forget(k).await;
+                self.forget_for_purge(k).await?;
+            }
+        } else if let Some(scope) = scope {
+            // Nothing left in SQL: a purge repeated after the fast layer
+            // could not be cleared, which it now is for the client named.
+            for route in [route, TOKEN_NAMESPACE] {
+                self.forget_for_purge(&RecordKey::new(scope, route, key))
+                    .await?;
             }
         }
         Ok(purged)
+    }
+
+    /// [`Self::forget`] for a purge, which must not be reported done while
+    /// the fast layer may still replay the key: bounded by `store.timeout`
+    /// (not the fast layer's budget), and an error when it failed.
+    async fn forget_for_purge(&self, key: &RecordKey) -> Result<(), StoreError> {
+        let Some(fast) = &self.fast else {
+            return Ok(());
+        };
+        let bound = self.sql.timeout();
+        let cause = match tokio::time::timeout(bound, fast.remove(key)).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {bound:?}"),
+        };
+        tracing::warn!(route = %key.route, key = %key.escaped(), layer = "fast", %cause, "purged in SQL, but the fast layer could not be cleared");
+        Err(StoreError::Unavailable {
+            op: "purge",
+            cause: format!(
+                "the record was purged in SQL but the fast layer could not be cleared \
+                 ({cause}); it may still be replayed from there until the key is purged \
+                 again, naming its client, once the fast layer answers"
+            ),
+        })
     }
 
     /// Removes records from SQL and the fast layer, except those held under
@@ -801,7 +873,7 @@ mod tests {
     use crate::sql::SqlSettings;
     use futures_util::future::BoxFuture;
     use idemgate_core::metrics::FallbackLayer;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
     use super::super::fast::FastError;
 
@@ -811,6 +883,10 @@ mod tests {
     struct PurgedMeanwhile {
         memory: Arc<MemoryLayer>,
         purge_next: AtomicBool,
+        /// The next question takes this many ms (a process stalled).
+        stall_next_ms: AtomicU64,
+        /// Removals fail (Redis unreachable, say).
+        removals_fail: AtomicBool,
     }
 
     impl FastLayer for PurgedMeanwhile {
@@ -826,7 +902,11 @@ mod tests {
                 let key = entry.key();
                 self.memory.forget_purged(&key.route, &key.key, None);
             }
-            self.memory.get_or_mark(entry, ttl)
+            let stall = Duration::from_millis(self.stall_next_ms.swap(0, Ordering::SeqCst));
+            Box::pin(async move {
+                tokio::time::sleep(stall).await;
+                self.memory.get_or_mark(entry, ttl).await
+            })
         }
         fn peek(&self, key: &RecordKey) -> Option<(FastEntry, Duration)> {
             self.memory.peek(key)
@@ -850,6 +930,10 @@ mod tests {
             self.memory.put_unless_purged(entry, ttl, since)
         }
         fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>> {
+            if self.removals_fail.load(Ordering::SeqCst) {
+                let refused = FastError::Backend("unreachable".into());
+                return Box::pin(std::future::ready(Err(refused)));
+            }
             self.memory.remove(key)
         }
         fn ping(&self) -> BoxFuture<'_, Result<(), FastError>> {
@@ -868,52 +952,8 @@ mod tests {
     /// is written back.
     #[tokio::test]
     async fn an_answer_read_before_a_purge_is_not_kept_in_memory_after_it() {
-        let settings = StoreSettings {
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(3600),
-            fast_layer_budget: Duration::from_secs(1),
-        };
-        let sql = SqlStore::connect(&SqlSettings {
-            url: "sqlite::memory:".into(),
-            pool_size: 1,
-            timeout: Duration::from_secs(5),
-            tombstone: Duration::ZERO,
-            schema: None,
-            retention: settings.retention,
-            partition_span: settings.retention,
-        })
-        .await
-        .unwrap();
-        sql.migrate().await.unwrap();
-        let memory = Arc::new(MemoryLayer::new(100));
-        let layer = Arc::new(PurgedMeanwhile {
-            memory: memory.clone(),
-            purge_next: AtomicBool::new(false),
-        });
-        let store = Store::new(sql, Some(layer.clone()), settings, Arc::default());
-        let key = RecordKey::new("scope", "/orders", "k1");
-        let Claim::Won {
-            epoch,
-            expires_at_ms,
-            ..
-        } = store.claim(&key, "fp", "rid").await.unwrap()
-        else {
-            panic!("a fresh key was not won");
-        };
-        let response = StoredResponse {
-            status: 201,
-            headers: Vec::new(),
-            body: bytes::Bytes::from_static(b"{}"),
-            body_kept: true,
-            request_id: "rid".into(),
-        };
-        assert!(
-            store
-                .complete(&key, epoch, "fp", &response, expires_at_ms)
-                .await
-                .unwrap()
-        );
-        assert!(memory.completed(&key).is_some(), "the outcome is kept");
+        let (store, layer, key) = completed_record().await;
+        let memory = layer.memory.clone();
 
         // Another process, say, that does not hold the answer: SQL replays
         // it, and it is written back.
@@ -941,5 +981,110 @@ mod tests {
         // No marker either: the next claim asks SQL and is answered.
         let claim = store.claim(&key, "fp", "rid").await.unwrap();
         assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
+    }
+
+    /// A claim whose process stalled between asking SQL and writing the
+    /// answer back, for longer than a purge made meanwhile takes to settle
+    /// (after which its purger has cleared the fast layer for the last
+    /// time), does not write it back; nor does its marker stay.
+    #[tokio::test]
+    async fn a_stalled_claim_does_not_write_back_what_it_read_seconds_ago() {
+        let (store, layer, key) = completed_record().await;
+        let memory = layer.memory.clone();
+        FastLayer::remove(&*memory, &key).await.unwrap();
+        let stall = WRITE_BACK_WITHIN + Duration::from_millis(100);
+        layer
+            .stall_next_ms
+            .store(stall.as_millis() as u64, Ordering::SeqCst);
+        let claim = store.claim(&key, "fp", "rid").await.unwrap();
+        assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
+        assert!(
+            memory.completed(&key).is_none(),
+            "written back after a stall"
+        );
+        let claim = store.claim(&key, "fp", "rid").await.unwrap();
+        assert!(
+            matches!(claim, Claim::Completed { .. }),
+            "a marker stayed: {claim:?}"
+        );
+    }
+
+    /// A purge is not reported done while the fast layer may still replay
+    /// the key: a removal that fails after the purge settled fails the
+    /// purge (the record is gone from SQL all the same).
+    #[tokio::test]
+    async fn a_purge_whose_fast_layer_cannot_be_cleared_is_not_reported_done() {
+        let (store, layer, key) = completed_record().await;
+        layer.removals_fail.store(true, Ordering::SeqCst);
+        let purged = store
+            .purge_settled(&key.route, &key.key, Some(&key.scope))
+            .await;
+        assert!(
+            matches!(purged, Err(StoreError::Unavailable { op: "purge", .. })),
+            "{purged:?}"
+        );
+        assert!(store.sql().get(&key).await.unwrap().is_none());
+        // Repeated once the layer answers, naming the client: done.
+        layer.removals_fail.store(false, Ordering::SeqCst);
+        let purged = store
+            .purge_settled(&key.route, &key.key, Some(&key.scope))
+            .await
+            .unwrap();
+        assert_eq!(purged.removed, 0);
+        assert!(layer.memory.peek(&key).is_none());
+    }
+
+    /// A store on SQLite behind [`PurgedMeanwhile`], holding one completed
+    /// record (in SQL and in memory).
+    async fn completed_record() -> (Store, Arc<PurgedMeanwhile>, RecordKey) {
+        let settings = StoreSettings {
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(3600),
+            fast_layer_budget: Duration::from_secs(5),
+        };
+        let sql = SqlStore::connect(&SqlSettings {
+            url: "sqlite::memory:".into(),
+            pool_size: 1,
+            timeout: Duration::from_secs(5),
+            tombstone: Duration::ZERO,
+            schema: None,
+            retention: settings.retention,
+            partition_span: settings.retention,
+        })
+        .await
+        .unwrap();
+        sql.migrate().await.unwrap();
+        let memory = Arc::new(MemoryLayer::new(100));
+        let layer = Arc::new(PurgedMeanwhile {
+            memory: memory.clone(),
+            purge_next: AtomicBool::new(false),
+            stall_next_ms: AtomicU64::new(0),
+            removals_fail: AtomicBool::new(false),
+        });
+        let store = Store::new(sql, Some(layer.clone()), settings, Arc::default());
+        let key = RecordKey::new("scope", "/orders", "k1");
+        let Claim::Won {
+            epoch,
+            expires_at_ms,
+            ..
+        } = store.claim(&key, "fp", "rid").await.unwrap()
+        else {
+            panic!("a fresh key was not won");
+        };
+        let response = StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: bytes::Bytes::from_static(b"{}"),
+            body_kept: true,
+            request_id: "rid".into(),
+        };
+        assert!(
+            store
+                .complete(&key, epoch, "fp", &response, expires_at_ms)
+                .await
+                .unwrap()
+        );
+        assert!(memory.completed(&key).is_some(), "the outcome is kept");
+        (store, layer, key)
     }
 }

@@ -217,17 +217,26 @@ pub enum Written {
     Complete(Option<(Duration, bool)>),
 }
 
+#[cfg(feature = "sqlite")]
 impl SqlStore {
-    /// Claims and completions of one batch. On SQLite, whose writes go
-    /// through its one connection in turn, all of them in one transaction:
+    /// Claims and completions of one batch, on SQLite, whose writes go
+    /// through its one connection in turn: all of them in one transaction,
     /// one `BEGIN IMMEDIATE`, one commit, one fsync where separate claim and
-    /// completion batches took two of each. Elsewhere the claims' statement,
-    /// then the completions'.
-    pub(crate) async fn write_many(
-        &self,
-        batch: &[Write],
-        held: &HeldConnection,
-    ) -> Result<Vec<Written>, StoreError> {
+    /// completion batches took two of each. Postgres writes them apart.
+    pub(crate) async fn write_many(&self, batch: &[Write]) -> Result<Vec<Written>, StoreError> {
+        let pool = match &self.pool {
+            Pool::Sqlite(pool) => pool,
+            // Its statements would commit one after the other here, and a
+            // batch retried member by member after the second failed would
+            // claim again what the first had already won.
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(_) => {
+                return Err(StoreError::Unavailable {
+                    op: "write",
+                    cause: "claims and completions are written apart on Postgres".into(),
+                });
+            }
+        };
         let claims: Vec<NewClaim> = batch
             .iter()
             .filter_map(|w| match w {
@@ -241,34 +250,19 @@ impl SqlStore {
                 Write::Claim(_) => None,
             })
         };
-        let (won, done) = match &self.pool {
-            #[cfg(feature = "sqlite")]
-            Pool::Sqlite(pool) => {
-                let (fresh, unique) = first_of_each_key(&claims);
-                let items = encoded(completions());
-                let (inserted, done) = self
-                    .bounded(
-                        "write",
-                        sqlite_transaction(pool, async |tx| {
-                            let inserted = sqlite_claims(tx, &unique).await?;
-                            Ok((inserted, sqlite_completions(tx, &items).await?))
-                        }),
-                    )
-                    .await?;
-                let won = answer_claims(&claims, &fresh, &inserted);
-                let done = completions()
-                    .map(|c| done.get(&(c.key.clone(), c.epoch)).copied())
-                    .collect::<Vec<_>>();
-                (won, done)
-            }
-            #[cfg(feature = "postgres")]
-            Pool::Postgres(_) => {
-                let completions: Vec<Completion> = completions().cloned().collect();
-                let won = self.insert_claims(&claims, held).await?;
-                (won, self.complete_many(&completions, held).await?)
-            }
-        };
-        let (mut won, mut done) = (won.into_iter(), done.into_iter());
+        let (fresh, unique) = first_of_each_key(&claims);
+        let items = encoded(completions());
+        let (inserted, done) = self
+            .bounded(
+                "write",
+                sqlite_transaction(pool, async |tx| {
+                    let inserted = sqlite_claims(tx, &unique).await?;
+                    Ok((inserted, sqlite_completions(tx, &items).await?))
+                }),
+            )
+            .await?;
+        let mut won = answer_claims(&claims, &fresh, &inserted).into_iter();
+        let mut done = completions().map(|c| done.get(&(c.key.clone(), c.epoch)).copied());
         Ok(batch
             .iter()
             .map(|w| match w {
@@ -686,7 +680,7 @@ mod tests {
             // A claim of a key that already has a record is not won.
             Write::Claim(claim("done1")),
         ];
-        let written = store.write_many(&batch, &held).await.unwrap();
+        let written = store.write_many(&batch).await.unwrap();
         assert_eq!(written.len(), batch.len());
         assert!(matches!(written[0], Written::Claim(Some(_))), "{written:?}");
         assert!(
