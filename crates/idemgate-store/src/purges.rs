@@ -96,7 +96,6 @@ pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandl
 #[cfg(all(test, feature = "sqlite"))]
 mod tests {
     use super::*;
-    use crate::sql::SqlSettings;
 
     /// The follower re-reads a window of ids behind the last one it saw
     /// (late commits), but applies — and counts — each purge once: a count
@@ -104,18 +103,7 @@ mod tests {
     /// of memory for as long as the purge stays in the window.
     #[tokio::test]
     async fn each_purge_is_applied_once_however_often_it_is_read_again() {
-        let sql = SqlStore::connect(&SqlSettings {
-            url: "sqlite::memory:".into(),
-            pool_size: 1,
-            timeout: Duration::from_secs(5),
-            tombstone: Duration::ZERO,
-            schema: None,
-            retention: Duration::from_secs(3600),
-            partition_span: Duration::from_secs(3600),
-        })
-        .await
-        .unwrap();
-        sql.migrate().await.unwrap();
+        let sql = crate::sql::sqlite_in_memory().await;
         let memory = Arc::new(MemoryLayer::new(100));
         let follower = follow(sql.clone(), memory.clone());
         // Let the follower note the log's end, then log one purge.

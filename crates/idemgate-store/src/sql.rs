@@ -1142,3 +1142,21 @@ fn not_built(feature: &str) -> StoreError {
         ),
     }
 }
+
+/// A migrated SQLite store in memory, retention an hour: for unit tests.
+#[cfg(all(test, feature = "sqlite"))]
+pub(crate) async fn sqlite_in_memory() -> SqlStore {
+    let store = SqlStore::connect(&SqlSettings {
+        url: "sqlite::memory:".into(),
+        pool_size: 1,
+        timeout: Duration::from_secs(5),
+        tombstone: Duration::ZERO,
+        schema: None,
+        retention: Duration::from_secs(3600),
+        partition_span: Duration::from_secs(3600),
+    })
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    store
+}

@@ -870,7 +870,6 @@ impl Store {
 mod tests {
     use super::*;
     use crate::memory::MemoryLayer;
-    use crate::sql::SqlSettings;
     use futures_util::future::BoxFuture;
     use idemgate_core::metrics::FallbackLayer;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -1042,18 +1041,7 @@ mod tests {
             retention: Duration::from_secs(3600),
             fast_layer_budget: Duration::from_secs(5),
         };
-        let sql = SqlStore::connect(&SqlSettings {
-            url: "sqlite::memory:".into(),
-            pool_size: 1,
-            timeout: Duration::from_secs(5),
-            tombstone: Duration::ZERO,
-            schema: None,
-            retention: settings.retention,
-            partition_span: settings.retention,
-        })
-        .await
-        .unwrap();
-        sql.migrate().await.unwrap();
+        let sql = crate::sql::sqlite_in_memory().await;
         let memory = Arc::new(MemoryLayer::new(100));
         let layer = Arc::new(PurgedMeanwhile {
             memory: memory.clone(),

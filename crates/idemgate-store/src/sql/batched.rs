@@ -224,18 +224,15 @@ impl SqlStore {
     /// one `BEGIN IMMEDIATE`, one commit, one fsync where separate claim and
     /// completion batches took two of each. Postgres writes them apart.
     pub(crate) async fn write_many(&self, batch: &[Write]) -> Result<Vec<Written>, StoreError> {
-        let pool = match &self.pool {
-            Pool::Sqlite(pool) => pool,
-            // Its statements would commit one after the other here, and a
-            // batch retried member by member after the second failed would
-            // claim again what the first had already won.
-            #[cfg(feature = "postgres")]
-            Pool::Postgres(_) => {
-                return Err(StoreError::Unavailable {
-                    op: "write",
-                    cause: "claims and completions are written apart on Postgres".into(),
-                });
-            }
+        #[allow(irrefutable_let_patterns)] // without Postgres
+        let Pool::Sqlite(pool) = &self.pool else {
+            // Postgres: its statements would commit one after the other
+            // here, and a batch retried member by member after the second
+            // failed would claim again what the first had already won.
+            return Err(StoreError::Unavailable {
+                op: "write",
+                cause: "claims and completions are written apart on Postgres".into(),
+            });
         };
         let claims: Vec<NewClaim> = batch
             .iter()
@@ -567,23 +564,7 @@ fn encoded<'a>(batch: impl Iterator<Item = &'a Completion>) -> Vec<Encoded<'a>> 
 #[cfg(all(test, feature = "sqlite"))]
 mod tests {
     use super::*;
-    use crate::sql::SqlSettings;
-
-    async fn store() -> SqlStore {
-        let store = SqlStore::connect(&SqlSettings {
-            url: "sqlite::memory:".into(),
-            pool_size: 1,
-            timeout: Duration::from_secs(5),
-            tombstone: Duration::ZERO,
-            schema: None,
-            retention: Duration::from_secs(3600),
-            partition_span: Duration::from_secs(3600),
-        })
-        .await
-        .unwrap();
-        store.migrate().await.unwrap();
-        store
-    }
+    use crate::sql::sqlite_in_memory as store;
 
     fn claim(key: &str) -> NewClaim {
         NewClaim {
