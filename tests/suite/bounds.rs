@@ -681,3 +681,57 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
     assert!(drained, "answer budget not given back");
     stack.shutdown().await;
 }
+
+/// An answer that never finishes gives its share of
+/// `server.max_captured_bytes` back: an upstream that sends its head and a
+/// few bytes, then stalls past the upstream's timeout, ends the attempt
+/// (the record is uncertain), and the reserve its claim took returns. With
+/// room for two reserves, four such attempts in turn are each claimed and
+/// forwarded (none refused `buffers-exhausted`), a fresh request after them
+/// is served, and nothing stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_stalled_mid_body_gives_its_budget_back() {
+    let stack = Stack::start_with(KEYS, |c| {
+        // Two claims' reserves.
+        c.server.max_captured_bytes = 128 * 1024;
+        c.upstreams[0].timeout = "1s".into();
+    })
+    .await;
+    let send = |key: String, headers: Vec<(&'static str, &'static str)>| {
+        let (http, url) = (stack.http.clone(), stack.url("/actions/stalled"));
+        async move {
+            let mut all = vec![("idempotency-key", key.as_str())];
+            all.extend(headers);
+            http.send("POST", &url, &all, "{}").await
+        }
+    };
+    for i in 0..4 {
+        let stalled = vec![
+            ("x-demo-stall-body-ms", "3000"),
+            ("x-demo-response-bytes", "100000"),
+        ];
+        let answer = send(format!("stalled-{i}"), stalled).await;
+        assert_ne!(
+            answer.problem_type(),
+            "urn:idemgate:problem:buffers-exhausted",
+            "attempt {i} found the budget held by the stalled ones before it"
+        );
+        assert_ne!(
+            answer.status, 201,
+            "attempt {i}: a cut answer passed as whole"
+        );
+    }
+    assert_eq!(executions(&stack, "stalled"), 4);
+    let fresh = send("fresh".into(), vec![]).await;
+    assert_eq!(fresh.status, 201);
+    let drained = support::eventually(Duration::from_secs(5), || async {
+        let text = stack.http.get(&stack.admin("/metrics")).await.body;
+        metric(
+            &String::from_utf8_lossy(&text),
+            "idemgate_answer_bytes_held",
+        ) == 0
+    })
+    .await;
+    assert!(drained, "answer budget not given back");
+    stack.shutdown().await;
+}
