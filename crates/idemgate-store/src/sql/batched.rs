@@ -4,8 +4,6 @@
 
 use std::time::Duration;
 
-#[cfg(feature = "sqlite")]
-use sqlx::Connection;
 use sqlx::Row;
 
 use super::super::codec::encode_headers;
@@ -123,10 +121,7 @@ impl SqlStore {
                 // first job only.
                 let (fresh, unique) = first_of_each_key(batch);
                 let inserted = self
-                    .bounded(
-                        "claim",
-                        sqlite_transaction(pool, async |tx| sqlite_claims(tx, &unique).await),
-                    )
+                    .sqlite_transaction(pool, "claim", async |tx| sqlite_claims(tx, &unique).await)
                     .await?;
                 Ok(answer_claims(batch, &fresh, &inserted))
             }
@@ -186,10 +181,9 @@ impl SqlStore {
                 // answered by key and epoch.
                 let items = encoded(batch.iter());
                 let done = self
-                    .bounded(
-                        "complete",
-                        sqlite_transaction(pool, async |tx| sqlite_completions(tx, &items).await),
-                    )
+                    .sqlite_transaction(pool, "complete", async |tx| {
+                        sqlite_completions(tx, &items).await
+                    })
                     .await?;
                 Ok(batch
                     .iter()
@@ -250,13 +244,10 @@ impl SqlStore {
         let (fresh, unique) = first_of_each_key(&claims);
         let items = encoded(completions());
         let (inserted, done) = self
-            .bounded(
-                "write",
-                sqlite_transaction(pool, async |tx| {
-                    let inserted = sqlite_claims(tx, &unique).await?;
-                    Ok((inserted, sqlite_completions(tx, &items).await?))
-                }),
-            )
+            .sqlite_transaction(pool, "write", async |tx| {
+                let inserted = sqlite_claims(tx, &unique).await?;
+                Ok((inserted, sqlite_completions(tx, &items).await?))
+            })
             .await?;
         let mut won = answer_claims(&claims, &fresh, &inserted).into_iter();
         let mut done = completions().map(|c| done.get(&(c.key.clone(), c.epoch)).copied());
@@ -450,19 +441,38 @@ impl Keyed for Encoded<'_> {
 #[cfg(feature = "sqlite")]
 type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
 
-/// Runs `work` in one SQLite write transaction (`BEGIN IMMEDIATE`: the
-/// write lock is taken up front, so nothing in it meets `SQLITE_BUSY`
-/// halfway) and commits it: one fsync for all it wrote.
 #[cfg(feature = "sqlite")]
-async fn sqlite_transaction<T>(
-    pool: &sqlx::SqlitePool,
-    work: impl AsyncFnOnce(&mut sqlx::SqliteConnection) -> Result<T, sqlx::Error>,
-) -> Result<T, sqlx::Error> {
-    let mut conn = pool.acquire().await?;
-    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-    let value = work(&mut tx).await?;
-    tx.commit().await?;
-    Ok(value)
+impl SqlStore {
+    /// Runs `work` in one SQLite write transaction (`BEGIN IMMEDIATE`: the
+    /// write lock is taken up front, so nothing in it meets `SQLITE_BUSY`
+    /// halfway) and commits it: one fsync for all it wrote.
+    ///
+    /// `store.timeout` bounds getting the connection and the writes; one
+    /// that runs out rolls the transaction back, and nothing was written.
+    /// The `COMMIT` itself is not cut short: once sent it may land whatever
+    /// the caller does, so its outcome is waited for. A claim it makes
+    /// durable is then always answered — to its caller, or, when that
+    /// caller stopped waiting, to the batcher's orphan hook, which releases
+    /// it — instead of holding its key, unanswered, for a lease.
+    async fn sqlite_transaction<T>(
+        &self,
+        pool: &sqlx::SqlitePool,
+        op: &'static str,
+        work: impl AsyncFnOnce(&mut sqlx::SqliteConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        let (tx, value) = self
+            .bounded(op, async {
+                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                let value = work(&mut tx).await?;
+                Ok((tx, value))
+            })
+            .await?;
+        tx.commit().await.map_err(|e| StoreError::Unavailable {
+            op,
+            cause: e.to_string(),
+        })?;
+        Ok(value)
+    }
 }
 
 /// Writes `jobs` inside `tx`, a statement per run of `statements`' sizes:
