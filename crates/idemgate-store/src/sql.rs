@@ -421,7 +421,11 @@ impl SqlStore {
         }
     }
 
-    /// Claims `key` for a request with `fingerprint` (see the module docs).
+    /// Claims `key` for a request with `fingerprint` (see the module docs),
+    /// on a connection of its own, for tools and tests: the gateway claims
+    /// through [`crate::Store`], whose batch writer releases a claim that
+    /// committed after its caller stopped waiting. (On SQLite a `COMMIT`,
+    /// once sent, is waited for: see `sql/batched.rs`.)
     pub async fn claim(
         &self,
         key: &RecordKey,

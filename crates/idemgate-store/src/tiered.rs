@@ -461,23 +461,40 @@ impl Store {
             retention: self.settings.retention,
             past_tombstone: false,
         };
-        if let Some((epoch, expires_at_ms)) = self.writes.claim(job.clone()).await? {
-            let won = Claim::Won {
-                epoch,
-                expires_at_ms,
-                maybe_ran: false,
-            };
-            return Ok((won, job.retention));
+        self.claim_job(&job, true).await
+    }
+
+    /// Claims `job`'s key: a fresh key through the batch writer (when
+    /// `insert_first`, or after a first look found the record gone), else
+    /// the record is taken over where it may be, or read to answer. A
+    /// record deleted between the two statements (purged, swept) is claimed
+    /// again, three times at most. Every insert goes through the writer, so
+    /// a claim that committed after its caller stopped waiting always
+    /// reaches the writer's orphan hook, which releases it.
+    async fn claim_job(
+        &self,
+        job: &NewClaim,
+        insert_first: bool,
+    ) -> Result<(Claim, Duration), StoreError> {
+        let mut insert = insert_first;
+        for _ in 0..3 {
+            if insert && let Some((epoch, expires_at_ms)) = self.writes.claim(job.clone()).await? {
+                let won = Claim::Won {
+                    epoch,
+                    expires_at_ms,
+                    maybe_ran: false,
+                };
+                return Ok((won, job.retention));
+            }
+            insert = true;
+            if let Some(answer) = self.sql.claim_existing(job).await? {
+                return Ok(answer);
+            }
         }
-        match self.sql.claim_existing(&job).await? {
-            Some(answer) => Ok(answer),
-            // Purged or swept between the two statements: start over.
-            None => self
-                .sql
-                .claim(key, fingerprint, request_id, job.lease, job.retention)
-                .await
-                .map(|claim| (claim, Duration::ZERO)),
-        }
+        Err(StoreError::Unavailable {
+            op: "claim",
+            cause: "the record kept disappearing between statements".into(),
+        })
     }
 
     /// Claims a key whose record answered [`Claim::Expired`], for a
@@ -502,14 +519,7 @@ impl Store {
         };
         let bound = self.sql.timeout();
         let answer = tokio::time::timeout(bound, async {
-            match self.sql.claim_existing(&job).await? {
-                Some((claim, _)) => Ok(claim),
-                None => {
-                    self.sql
-                        .claim(key, fingerprint, request_id, job.lease, job.retention)
-                        .await
-                }
-            }
+            self.claim_job(&job, false).await.map(|(claim, _)| claim)
         })
         .await;
         answer.unwrap_or(Err(StoreError::Timeout {
