@@ -176,7 +176,7 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
             op: self.op,
             cause: "the batch writer stopped".into(),
         };
-        let (reply, answer) = oneshot::channel();
+        let (reply, mut answer) = oneshot::channel();
         let work = async {
             self.queue
                 .send(Job {
@@ -186,14 +186,21 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
                 })
                 .await
                 .map_err(|_| stopped())?;
-            answer.await.unwrap_or_else(|_| Err(stopped()))
+            (&mut answer).await.unwrap_or_else(|_| Err(stopped()))
         };
         match tokio::time::timeout_at(deadline, work).await {
             Ok(answer) => answer,
-            Err(_) => Err(StoreError::Timeout {
-                op: self.op,
-                after: self.timeout,
-            }),
+            Err(_) => {
+                // An answer sent just as the wait ran out (the timer can win
+                // even then) is still this caller's: taken, not dropped with
+                // the channel — a won claim nobody would forward or release.
+                // Closed first, so any later answer goes to the orphan hook.
+                answer.close();
+                answer.try_recv().unwrap_or(Err(StoreError::Timeout {
+                    op: self.op,
+                    after: self.timeout,
+                }))
+            }
         }
     }
 }
