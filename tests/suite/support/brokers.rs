@@ -557,6 +557,15 @@ impl PrivateRabbit {
     pub async fn restart(&mut self) {
         self.kill();
         tokio::time::sleep(Duration::from_millis(500)).await;
+        if self.spawn().await {
+            return;
+        }
+        // A node restarted on a loaded machine now and then never opens its
+        // listener (seen once in CI); the test is about what the consumer
+        // does across the outage, so a second start is still that test.
+        eprintln!("the private RabbitMQ did not come back within 60 s; starting it again");
+        self.kill();
+        tokio::time::sleep(Duration::from_secs(2)).await;
         assert!(self.spawn().await, "the private RabbitMQ did not come back");
     }
 
