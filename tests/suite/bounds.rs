@@ -670,15 +670,7 @@ async fn answers_awaiting_their_record_count_against_a_byte_budget() {
     assert_eq!(executions(&stack, "big"), 1);
     assert_eq!(executions(&stack, "small"), 1);
     // And the gauge says so once every holder has finished.
-    let drained = support::eventually(Duration::from_secs(5), || async {
-        let text = stack.http.get(&stack.admin("/metrics")).await.body;
-        metric(
-            &String::from_utf8_lossy(&text),
-            "idemgate_answer_bytes_held",
-        ) == 0
-    })
-    .await;
-    assert!(drained, "answer budget not given back");
+    assert_answer_budget_drains(&stack).await;
     stack.shutdown().await;
 }
 
@@ -724,6 +716,12 @@ async fn an_answer_stalled_mid_body_gives_its_budget_back() {
     assert_eq!(executions(&stack, "stalled"), 4);
     let fresh = send("fresh".into(), vec![]).await;
     assert_eq!(fresh.status, 201);
+    assert_answer_budget_drains(&stack).await;
+    stack.shutdown().await;
+}
+
+/// `idemgate_answer_bytes_held` falls to 0 once every holder has finished.
+async fn assert_answer_budget_drains(stack: &Stack) {
     let drained = support::eventually(Duration::from_secs(5), || async {
         let text = stack.http.get(&stack.admin("/metrics")).await.body;
         metric(
@@ -733,5 +731,4 @@ async fn an_answer_stalled_mid_body_gives_its_budget_back() {
     })
     .await;
     assert!(drained, "answer budget not given back");
-    stack.shutdown().await;
 }

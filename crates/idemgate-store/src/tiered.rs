@@ -345,7 +345,7 @@ impl Store {
         let mut marked = false;
         // Before SQL is read: a completed answer read there is written
         // back only as a purge applied meanwhile allows.
-        let read = self.before_reading();
+        let read = self.before_reading(started);
         if let Some(fast) = &self.fast {
             let marker = FastEntry::InFlight {
                 key: key.clone(),
@@ -540,7 +540,7 @@ impl Store {
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
         let started = Instant::now();
-        let read = self.before_reading();
+        let read = self.before_reading(started);
         let completion = Completion {
             key: key.clone(),
             epoch,
@@ -566,7 +566,7 @@ impl Store {
         response: &StoredResponse,
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
-        let read = self.before_reading();
+        let read = self.before_reading(Instant::now());
         let done = self.sql.complete_reconciled(key, epoch, response).await?;
         self.after_completion(key, fingerprint, response, expires_at_ms, done, read)
             .await
@@ -604,11 +604,11 @@ impl Store {
         Ok(true)
     }
 
-    /// What a write-back of what SQL is about to say depends on.
-    fn before_reading(&self) -> BeforeReading {
+    /// What a write-back of what SQL says after `at` depends on.
+    fn before_reading(&self, at: Instant) -> BeforeReading {
         BeforeReading {
             purges_seen: self.fast.as_ref().and_then(|fast| fast.purges_seen()),
-            at: Instant::now(),
+            at,
         }
     }
 
@@ -756,19 +756,21 @@ impl Store {
         key: &str,
         scope: Option<&str>,
     ) -> Result<super::sql::Purged, StoreError> {
-        let mut purged = self.purge_keys(route, key, scope).await?;
-        if purged.0.removed == 0 && purged.0.held == 0 {
-            purged = self.purge_keys(TOKEN_NAMESPACE, key, scope).await?;
+        let (mut purged, mut keys) = self.purge_keys(route, key, scope).await?;
+        if purged.removed == 0 && purged.held == 0 {
+            (purged, keys) = self.purge_keys(TOKEN_NAMESPACE, key, scope).await?;
         }
-        let (purged, keys) = purged;
         if purged.removed > 0 {
             tokio::time::sleep(super::purges::SETTLE).await;
             for k in &keys {
                 self.forget_for_purge(k).await?;
             }
-        } else if let Some(scope) = scope {
-            // Nothing left in SQL: a purge repeated after the fast layer
-            // could not be cleared, which it now is for the client named.
+        } else if purged.held == 0
+            && let Some(scope) = scope
+        {
+            // Nothing in SQL: a purge repeated after the fast layer could
+            // not be cleared, which it now is for the client named. (A
+            // held record's in-flight marker is left alone.)
             for route in [route, TOKEN_NAMESPACE] {
                 self.forget_for_purge(&RecordKey::new(scope, route, key))
                     .await?;

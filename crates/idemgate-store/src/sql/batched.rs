@@ -2,6 +2,7 @@
 //! one array per column, or one SQLite write transaction (one fsync) — see
 //! [`crate::batch`] for who gathers the batches.
 
+use std::borrow::Borrow;
 use std::time::Duration;
 
 use sqlx::Row;
@@ -228,10 +229,10 @@ impl SqlStore {
                 cause: "claims and completions are written apart on Postgres".into(),
             });
         };
-        let claims: Vec<NewClaim> = batch
+        let claims: Vec<&NewClaim> = batch
             .iter()
             .filter_map(|w| match w {
-                Write::Claim(c) => Some(c.clone()),
+                Write::Claim(c) => Some(c),
                 Write::Complete(_) => None,
             })
             .collect();
@@ -264,28 +265,32 @@ impl SqlStore {
 /// Which jobs of a claim batch are the first of their key (a key twice in
 /// one batch is claimed for its first job only; the second then meets the
 /// row like any duplicate), and those jobs.
-fn first_of_each_key(batch: &[NewClaim]) -> (Vec<bool>, Vec<&NewClaim>) {
+fn first_of_each_key<C: Borrow<NewClaim>>(batch: &[C]) -> (Vec<bool>, Vec<&NewClaim>) {
     let mut seen = std::collections::HashSet::new();
-    let fresh: Vec<bool> = batch.iter().map(|c| seen.insert(&c.key)).collect();
+    let fresh: Vec<bool> = batch.iter().map(|c| seen.insert(&c.borrow().key)).collect();
     let unique = batch
         .iter()
         .zip(&fresh)
-        .filter_map(|(c, fresh)| fresh.then_some(c))
+        .filter_map(|(c, fresh)| fresh.then_some(c.borrow()))
         .collect();
     (fresh, unique)
 }
 
 /// Each job's answer: the epoch and expiry its key was inserted with, for
 /// the first job of a key that was.
-fn answer_claims(
-    batch: &[NewClaim],
+fn answer_claims<C: Borrow<NewClaim>>(
+    batch: &[C],
     fresh: &[bool],
     inserted: &std::collections::HashMap<RecordKey, (i64, i64)>,
 ) -> Vec<Option<(i64, i64)>> {
     batch
         .iter()
         .zip(fresh)
-        .map(|(c, fresh)| fresh.then(|| inserted.get(&c.key).copied()).flatten())
+        .map(|(c, fresh)| {
+            fresh
+                .then(|| inserted.get(&c.borrow().key).copied())
+                .flatten()
+        })
         .collect()
 }
 
