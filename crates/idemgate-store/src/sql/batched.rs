@@ -454,11 +454,15 @@ impl SqlStore {
     ///
     /// `store.timeout` bounds getting the connection and the writes; one
     /// that runs out rolls the transaction back, and nothing was written.
-    /// The `COMMIT` itself is not cut short: once sent it may land whatever
-    /// the caller does, so its outcome is waited for. A claim it makes
-    /// durable is then always answered — to its caller, or, when that
-    /// caller stopped waiting, to the batcher's orphan hook, which releases
-    /// it — instead of holding its key, unanswered, for a lease.
+    /// The `COMMIT` gets a `store.timeout` of its own: once sent it may land
+    /// whatever the caller does, so its outcome is waited for rather than
+    /// cut short with the writes' budget. A claim it makes durable is then
+    /// answered — to its caller, or, when that caller stopped waiting, to
+    /// the batcher's orphan hook, which releases it — instead of holding
+    /// its key, unanswered, for a lease. Only a `COMMIT` slower than a whole
+    /// `store.timeout` (a disk that hangs) is given up on, so that the
+    /// writer, and the queue of answers waiting behind it, never wait
+    /// without bound.
     async fn sqlite_transaction<T>(
         &self,
         pool: &sqlx::SqlitePool,
@@ -472,10 +476,7 @@ impl SqlStore {
                 Ok((tx, value))
             })
             .await?;
-        tx.commit().await.map_err(|e| StoreError::Unavailable {
-            op,
-            cause: e.to_string(),
-        })?;
+        self.bounded(op, tx.commit()).await?;
         Ok(value)
     }
 }
