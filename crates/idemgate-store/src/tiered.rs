@@ -761,10 +761,20 @@ impl Store {
             (purged, keys) = self.purge_keys(TOKEN_NAMESPACE, key, scope).await?;
         }
         if purged.removed > 0 {
-            tokio::time::sleep(super::purges::SETTLE).await;
-            for k in &keys {
-                self.forget_for_purge(k).await?;
-            }
+            // A task of its own: an operator who hangs up during the wait
+            // must not cancel the second removal.
+            let store = self.clone();
+            let settled = tokio::spawn(async move {
+                tokio::time::sleep(super::purges::SETTLE).await;
+                for k in &keys {
+                    store.forget_for_purge(k).await?;
+                }
+                Ok::<_, StoreError>(())
+            });
+            settled.await.map_err(|e| StoreError::Unavailable {
+                op: "purge",
+                cause: e.to_string(),
+            })??;
         } else if purged.held == 0
             && let Some(scope) = scope
         {
@@ -1043,6 +1053,28 @@ mod tests {
             .unwrap();
         assert_eq!(purged.removed, 0);
         assert!(layer.memory.peek(&key).is_none());
+    }
+
+    /// An operator who hangs up while a purge settles does not cancel its
+    /// second removal: an answer written back just after the first one
+    /// (a retry that read SQL just before the purge) is still removed.
+    #[tokio::test]
+    async fn a_purge_given_up_on_by_its_operator_still_clears_the_fast_layer() {
+        let (store, layer, key) = completed_record().await;
+        let entry = layer.memory.completed(&key).unwrap().0;
+        let purge = store.purge_settled(&key.route, &key.key, Some(&key.scope));
+        let given_up = tokio::time::timeout(Duration::from_millis(200), purge).await;
+        assert!(given_up.is_err(), "the purge did not wait to settle");
+        // The late write-back, after the first removal.
+        layer
+            .memory
+            .store(&entry, Duration::from_secs(3600), false)
+            .unwrap();
+        tokio::time::sleep(super::super::purges::SETTLE + Duration::from_millis(300)).await;
+        assert!(
+            layer.memory.completed(&key).is_none(),
+            "the second removal was cancelled with the operator's request"
+        );
     }
 
     /// A store on SQLite behind [`PurgedMeanwhile`], holding one completed

@@ -122,7 +122,12 @@ impl SqlStore {
                 // first job only.
                 let (fresh, unique) = first_of_each_key(batch);
                 let inserted = self
-                    .sqlite_transaction(pool, "claim", async |tx| sqlite_claims(tx, &unique).await)
+                    .sqlite_transaction(
+                        pool,
+                        "claim",
+                        async |tx| sqlite_claims(tx, &unique).await,
+                        |inserted| self.release_abandoned(&inserted),
+                    )
                     .await?;
                 Ok(answer_claims(batch, &fresh, &inserted))
             }
@@ -182,9 +187,12 @@ impl SqlStore {
                 // answered by key and epoch.
                 let items = encoded(batch.iter());
                 let done = self
-                    .sqlite_transaction(pool, "complete", async |tx| {
-                        sqlite_completions(tx, &items).await
-                    })
+                    .sqlite_transaction(
+                        pool,
+                        "complete",
+                        async |tx| sqlite_completions(tx, &items).await,
+                        |_| {},
+                    )
                     .await?;
                 Ok(batch
                     .iter()
@@ -245,10 +253,15 @@ impl SqlStore {
         let (fresh, unique) = first_of_each_key(&claims);
         let items = encoded(completions());
         let (inserted, done) = self
-            .sqlite_transaction(pool, "write", async |tx| {
-                let inserted = sqlite_claims(tx, &unique).await?;
-                Ok((inserted, sqlite_completions(tx, &items).await?))
-            })
+            .sqlite_transaction(
+                pool,
+                "write",
+                async |tx| {
+                    let inserted = sqlite_claims(tx, &unique).await?;
+                    Ok((inserted, sqlite_completions(tx, &items).await?))
+                },
+                |(inserted, _)| self.release_abandoned(&inserted),
+            )
             .await?;
         let mut won = answer_claims(&claims, &fresh, &inserted).into_iter();
         let mut done = completions().map(|c| done.get(&(c.key.clone(), c.epoch)).copied());
@@ -448,6 +461,20 @@ type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::Sqlite
 
 #[cfg(feature = "sqlite")]
 impl SqlStore {
+    /// Releases the claims of a transaction whose `COMMIT` was given up on:
+    /// their callers are told the store is unavailable and forward nothing,
+    /// and the commit may still land. Each release is fenced by its epoch,
+    /// so one whose insert never landed changes nothing.
+    fn release_abandoned(&self, inserted: &std::collections::HashMap<RecordKey, (i64, i64)>) {
+        for (key, (epoch, _)) in inserted {
+            let (sql, key, epoch) = (self.clone(), key.clone(), *epoch);
+            tokio::spawn(async move {
+                let released = sql.release(&key, epoch).await;
+                tracing::warn!(route = %key.route, key = %key.escaped(), layer = "store", ?released, "claim whose commit outlasted store.timeout; released");
+            });
+        }
+    }
+
     /// Runs `work` in one SQLite write transaction (`BEGIN IMMEDIATE`: the
     /// write lock is taken up front, so nothing in it meets `SQLITE_BUSY`
     /// halfway) and commits it: one fsync for all it wrote.
@@ -462,12 +489,14 @@ impl SqlStore {
     /// its key, unanswered, for a lease. Only a `COMMIT` slower than a whole
     /// `store.timeout` (a disk that hangs) is given up on, so that the
     /// writer, and the queue of answers waiting behind it, never wait
-    /// without bound.
+    /// without bound; what it would have written is handed to `abandoned`
+    /// (which releases the claims it held: it may still land).
     async fn sqlite_transaction<T>(
         &self,
         pool: &sqlx::SqlitePool,
         op: &'static str,
         work: impl AsyncFnOnce(&mut sqlx::SqliteConnection) -> Result<T, sqlx::Error>,
+        abandoned: impl FnOnce(T),
     ) -> Result<T, StoreError> {
         let (tx, value) = self
             .bounded(op, async {
@@ -476,7 +505,12 @@ impl SqlStore {
                 Ok((tx, value))
             })
             .await?;
-        self.bounded(op, tx.commit()).await?;
+        if let Err(e) = self.bounded(op, tx.commit()).await {
+            if matches!(e, StoreError::Timeout { .. }) {
+                abandoned(value);
+            }
+            return Err(e);
+        }
         Ok(value)
     }
 }
