@@ -2,7 +2,7 @@
 # Makes sure the services the service-backed tests use are up: PostgreSQL on
 # 127.0.0.1:5432 (database `test`, user `postgres`), Redis on
 # 127.0.0.1:6379, RabbitMQ on 127.0.0.1:5672 (guest/guest), NATS with
-# JetStream on 127.0.0.1:4222, and that the faketime tool is installed. Starts each one that is installed but down. Never fails by
+# JetStream on 127.0.0.1:4222, and that the faketime and nginx tools are installed. Starts each one that is installed but down. Never fails by
 # itself: a service that cannot be started makes its tests skip loudly (or
 # fail, with CI=true).
 set -u
@@ -58,4 +58,18 @@ if ! command -v faketime >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     || { apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y faketime >/dev/null 2>&1; } || true
 fi
 command -v faketime >/dev/null 2>&1 && echo "services: faketime available" || echo "services: faketime NOT available"
+# nginx stands between the gateway and the demo service in the ingress
+# tests (tests/suite/ingress.rs): its 502/504 for an answer it lost. Only
+# the binary: the tests run private instances; the package must not start
+# one of its own on port 80 (policy-rc.d refuses that while it installs).
+nginx_bin() { [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1; }
+if ! nginx_bin && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "services: installing nginx"
+  had_policy=0; [ -e /usr/sbin/policy-rc.d ] && had_policy=1
+  [ "$had_policy" = 1 ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; }
+  DEBIAN_FRONTEND=noninteractive apt-get install -y nginx-light >/dev/null 2>&1 \
+    || { apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y nginx-light >/dev/null 2>&1; } || true
+  [ "$had_policy" = 1 ] || rm -f /usr/sbin/policy-rc.d
+fi
+nginx_bin && echo "services: nginx available" || echo "services: nginx NOT available"
 exit 0

@@ -41,8 +41,8 @@ fn print_endpoints(config: &Config) {
     );
     println!();
     println!(
-        "{:<20} {:<34} {:<7} {:<9} {:<16} {:<16} TLS",
-        "UPSTREAM", "URL", "SCHEME", "PROTOCOL", "CONNECTIONS", "TIMEOUT / HOLD"
+        "{:<20} {:<34} {:<7} {:<9} {:<16} {:<16} {:<12} TLS",
+        "UPSTREAM", "URL", "SCHEME", "PROTOCOL", "CONNECTIONS", "TIMEOUT / HOLD", "UNCERTAIN"
     );
     for u in &config.upstreams {
         let https = u.url.to_ascii_lowercase().starts_with("https://");
@@ -79,14 +79,24 @@ fn print_endpoints(config: &Config) {
             humantime::format_duration(u.timeout.get()),
             humantime::format_duration(u.uncertain_hold())
         );
+        // The answers that leave a record uncertain (rule 11).
+        let uncertain = match u.uncertain_statuses.as_slice() {
+            [] => "none".to_owned(),
+            statuses => statuses
+                .iter()
+                .map(u16::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        };
         println!(
-            "{:<20} {:<34} {:<7} {:<9} {:<16} {:<16} {tls}",
+            "{:<20} {:<34} {:<7} {:<9} {:<16} {:<16} {:<12} {tls}",
             u.name,
             u.url,
             if https { "https" } else { "http" },
             protocol,
             connections,
-            timing
+            timing,
+            uncertain
         );
     }
     println!();

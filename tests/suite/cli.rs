@@ -380,6 +380,7 @@ fn check_config_shows_each_listener_and_upstream_scheme_and_protocol() {
         name = "stock"
         url = "http://127.0.0.1:9002"
         max_connections = 10
+        uncertain_statuses = [502, 500]
         [[routes]]
         name = "stock"
         path_prefix = "/stock/"
@@ -408,15 +409,15 @@ fn check_config_shows_each_listener_and_upstream_scheme_and_protocol() {
     assert_eq!(line("public"), "public 127.0.0.1:8443 http HTTP/1.1");
     assert_eq!(
         line("orders"),
-        "orders http://127.0.0.1:9001 http h2c shared 10s / 10s -"
+        "orders http://127.0.0.1:9001 http h2c shared 10s / 10s 502,504 -"
     );
     assert_eq!(
         line("payments"),
-        "payments https://localhost:9443 https HTTP/1.1 no cap 10s / 10s system roots"
+        "payments https://localhost:9443 https HTTP/1.1 no cap 10s / 10s 502,504 system roots"
     );
     assert_eq!(
         line("stock"),
-        "stock http://127.0.0.1:9002 http HTTP/1.1 5 per worker 10s / 10s -"
+        "stock http://127.0.0.1:9002 http HTTP/1.1 5 per worker 10s / 10s 502,500 -"
     );
 }
 

@@ -17,6 +17,7 @@ mod demo_upstream;
 mod edges;
 mod faults;
 mod hostile;
+mod ingress;
 mod key_routes;
 mod layering;
 mod library;

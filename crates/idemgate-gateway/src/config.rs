@@ -370,6 +370,12 @@ pub struct UpstreamConfig {
     /// again (a copy may still be running here); default: `timeout`.
     #[serde(default)]
     pub uncertain_hold: Option<HumanDuration>,
+    /// Answers that may mean the action ran (5xx only): a proxy in front
+    /// of the service sends `502`/`504` for an answer it lost; add `500`
+    /// for a service that may fail after its commit. Such an answer makes
+    /// the record uncertain, never released.
+    #[serde(default = "default_uncertain_statuses")]
+    pub uncertain_statuses: Vec<u16>,
 }
 
 /// `[[routes]]`: which requests go where, under which policy.
@@ -618,6 +624,9 @@ fn default_upstream_max_connections() -> usize {
 fn default_upstream_timeout() -> HumanDuration {
     DEFAULT_UPSTREAM_TIMEOUT.into()
 }
+fn default_uncertain_statuses() -> Vec<u16> {
+    idemgate::idempotency::outcome::DEFAULT_UNCERTAIN_STATUSES.to_vec()
+}
 fn default_signature_tolerance() -> HumanDuration {
     DEFAULT_SIGNATURE_TOLERANCE.into()
 }
@@ -810,6 +819,15 @@ impl UpstreamConfig {
         self.uncertain_hold
             .as_ref()
             .map_or_else(|| self.timeout.get(), HumanDuration::get)
+    }
+}
+
+impl UpstreamConfig {
+    /// `uncertain_statuses`, checked (validation refuses a status outside
+    /// 5xx; none is taken here for one that slipped through).
+    pub fn uncertain_statuses(&self) -> idemgate::idempotency::outcome::UncertainStatuses {
+        idemgate::idempotency::outcome::UncertainStatuses::new(&self.uncertain_statuses)
+            .unwrap_or_default()
     }
 }
 

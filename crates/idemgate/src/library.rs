@@ -294,8 +294,6 @@ impl Idempotency {
         Engine::new(
             self.inner.store.clone(),
             EngineSettings {
-                route: route.into(),
-                identity: Identity::header(s.identity_header.clone()),
                 max_body_bytes: s.max_body_bytes,
                 body_read_timeout: s.body_read_timeout,
                 max_stored_body_bytes: s.max_stored_body_bytes,
@@ -304,7 +302,6 @@ impl Idempotency {
                 // The handler runs in process: past its deadline its future
                 // is dropped, but it may have spawned work; hold as long.
                 uncertain_hold: s.handler_deadline,
-                reconcile: None,
                 budget: self.inner.budget.clone(),
                 body_budget: self.inner.body_budget.clone(),
                 answer_budget: self.inner.answer_budget.clone(),
@@ -312,6 +309,7 @@ impl Idempotency {
                 // Every layer keeps the shared state (and so the sweeper)
                 // alive, whether or not the handle is still around.
                 keep_alive: Some(self.inner.clone()),
+                ..EngineSettings::new(route, Identity::header(s.identity_header.clone()))
             },
             self.inner.metrics.clone(),
             self.inner.holders.clone(),

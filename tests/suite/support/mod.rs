@@ -14,6 +14,7 @@ use hyper_util::rt::TokioExecutor;
 pub mod brokers;
 pub mod browser;
 pub mod instances;
+pub mod nginx;
 pub mod services;
 pub mod tls;
 

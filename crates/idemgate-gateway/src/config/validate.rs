@@ -268,6 +268,18 @@ impl Config {
             {
                 add(key("uncertain_hold"), reason);
             }
+            if let Err(status) =
+                idemgate::idempotency::outcome::UncertainStatuses::new(&u.uncertain_statuses)
+            {
+                add(
+                    key("uncertain_statuses"),
+                    format!(
+                        "{status} is not a 5xx status: only an answer in 500..599 can stand for \
+                         one a proxy in front of the service lost (every other status is the \
+                         service's own, stored or released as it says)"
+                    ),
+                );
+            }
             if u.http2 && u.max_connections > 0 {
                 add(
                     key("max_connections"),

@@ -84,9 +84,6 @@ pub(super) fn build(
         let engine = Engine::new(
             store.without_fast_layer(),
             EngineSettings {
-                route: c.name.as_str().into(),
-                // Never read: a message's records are the consumer's.
-                identity: shared.identity.clone(),
                 max_body_bytes: config.server.max_body_bytes,
                 body_read_timeout: config.server.body_read_timeout.get(),
                 max_stored_body_bytes: config.store.max_stored_body_bytes,
@@ -99,12 +96,15 @@ pub(super) fn build(
                     .upstream(&c.upstream)
                     .map(|u| u.uncertain_hold())
                     .unwrap_or(upstream.timeout),
-                reconcile: None,
+                uncertain_statuses: config
+                    .upstream(&c.upstream)
+                    .map(|u| u.uncertain_statuses())
+                    .unwrap_or_default(),
                 budget: shared.budget.clone(),
                 body_budget: shared.body_budget.clone(),
                 answer_budget: shared.answer_budget.clone(),
-                in_process: false,
-                keep_alive: None,
+                // Never read: a message's records are the consumer's.
+                ..EngineSettings::new(&c.name, shared.identity.clone())
             },
             shared.metrics.clone(),
             shared.holders.clone(),

@@ -76,20 +76,18 @@ fn route_service(
         Engine::new(
             store.clone(),
             EngineSettings {
-                route: r.name.as_str().into(),
-                identity: shared.identity.clone(),
                 max_body_bytes: shared.config.server.max_body_bytes,
                 body_read_timeout: shared.config.server.body_read_timeout.get(),
                 max_stored_body_bytes: shared.config.store.max_stored_body_bytes,
                 on_concurrent: r.on_concurrent,
                 wait_limit: upstream.map(|u| u.timeout.get()).unwrap_or_default(),
                 uncertain_hold: upstream.map(|u| u.uncertain_hold()).unwrap_or_default(),
+                uncertain_statuses: upstream.map(|u| u.uncertain_statuses()).unwrap_or_default(),
                 reconcile: reconcile.clone(),
                 budget: shared.budget.clone(),
                 body_budget: shared.body_budget.clone(),
                 answer_budget: shared.answer_budget.clone(),
-                in_process: false,
-                keep_alive: None,
+                ..EngineSettings::new(&r.name, shared.identity.clone())
             },
             shared.metrics.clone(),
             shared.holders.clone(),

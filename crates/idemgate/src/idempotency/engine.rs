@@ -55,7 +55,7 @@ use super::answer::{AnswerBudget, AnswerShare};
 use super::body::{BodyError, read_and_fingerprint};
 use super::expires::set_expires;
 use super::holder::{Claimed, Holder, Holders, Outcome as Published};
-use super::outcome::{forward_plain, replay};
+use super::outcome::{UncertainStatuses, forward_plain, replay};
 use super::policy::{Head, Policy};
 use super::reconcile::{Reconcile, Reconciled};
 use super::stable_key::stable_key;
@@ -148,6 +148,10 @@ pub struct EngineSettings {
     /// How long an uncertain outcome keeps the key from being forwarded
     /// again: a copy may still be running at the upstream.
     pub uncertain_hold: Duration,
+    /// Answers that may mean the action ran (a proxy's `502`/`504` for an
+    /// answer it lost): the record becomes uncertain, as after a lost
+    /// connection (docs/semantics.md, rule 11).
+    pub uncertain_statuses: UncertainStatuses,
     /// The upstream's status endpoint, asked before an uncertain action is
     /// forwarded again.
     pub reconcile: Option<Arc<dyn Reconcile>>,
@@ -164,6 +168,32 @@ pub struct EngineSettings {
     /// What must live as long as this engine (the library's shared state
     /// and its sweeper).
     pub keep_alive: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl EngineSettings {
+    /// The settings of `route` with every other value at its default: the
+    /// one place they are spelled out. Callers change what they configure
+    /// (`EngineSettings { on_concurrent, ..EngineSettings::new(route,
+    /// identity) }`).
+    pub fn new(route: &str, identity: Identity) -> EngineSettings {
+        EngineSettings {
+            route: route.into(),
+            identity,
+            max_body_bytes: crate::DEFAULT_MAX_BODY_BYTES,
+            body_read_timeout: crate::DEFAULT_BODY_READ_TIMEOUT,
+            max_stored_body_bytes: idemgate_store::DEFAULT_MAX_STORED_BODY_BYTES,
+            on_concurrent: OnConcurrent::Reject,
+            wait_limit: crate::DEFAULT_HANDLER_DEADLINE,
+            uncertain_hold: crate::DEFAULT_HANDLER_DEADLINE,
+            uncertain_statuses: UncertainStatuses::default(),
+            reconcile: None,
+            budget: budget::ClaimBudget::unbounded(),
+            body_budget: super::body::BodyBudget::unbounded(),
+            answer_budget: AnswerBudget::unbounded(),
+            in_process: false,
+            keep_alive: None,
+        }
+    }
 }
 
 /// The shared engine of one route.
@@ -575,6 +605,7 @@ impl Engine {
             request_id: request_id.clone(),
             deadline: self.settings.wait_limit,
             uncertain_hold: self.settings.uncertain_hold,
+            uncertain_statuses: self.settings.uncertain_statuses,
             max_stored_body_bytes: self.settings.max_stored_body_bytes,
             share,
             layer: P::LAYER,

@@ -299,6 +299,9 @@ pub(super) struct Holder<L> {
     /// How long an uncertain outcome keeps the key from being forwarded
     /// again (a copy may still be running at the upstream).
     pub uncertain_hold: Duration,
+    /// Answers that may mean the action ran (rule 11): uncertain, not
+    /// released.
+    pub uncertain_statuses: super::outcome::UncertainStatuses,
     /// Larger response bodies are recorded without the body.
     pub max_stored_body_bytes: usize,
     /// The claim's share of the answer budget, the answer is kept in;
@@ -497,6 +500,19 @@ impl<L: Ledger> Holder<L> {
             Some(ForwardFailure::Uncertain) => return (Write::Uncertain { hold }, response),
             None => {}
         }
+        if self.uncertain_statuses.contains(response.status()) {
+            // A proxy in front of the service lost its answer or stopped
+            // waiting for it: the service may have acted, and may still be
+            // acting. Relayed as it came (its status already tells the
+            // client to retry, and its body is the only account of what
+            // went wrong); the retry finds the record uncertain.
+            tracing::warn!(
+                route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
+                status = response.status().as_u16(), hold = ?hold,
+                "the upstream answered a status that may mean the action ran; the record is uncertain"
+            );
+            return (Write::Uncertain { hold }, response);
+        }
         if !super::outcome::is_stored(response.status()) {
             return (Write::Release, response);
         }
@@ -650,6 +666,7 @@ mod tests {
             request_id: "rid".into(),
             deadline,
             uncertain_hold: Duration::from_secs(2),
+            uncertain_statuses: Default::default(),
             max_stored_body_bytes: 1024,
             share: AnswerShare::empty(&super::super::answer::AnswerBudget::unbounded()),
             layer: "test",
@@ -835,6 +852,38 @@ mod tests {
             script.writes.lock().unwrap().last().unwrap().1,
             Write::Release
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_proxys_502_or_504_is_uncertain_and_relayed_as_sent() {
+        for (status, uncertain) in [(502, true), (504, true), (500, false), (503, false)] {
+            let script = Script::default();
+            let (holder, _) = holder(&script, Duration::from_secs(30));
+            let response = run(holder, upstream(status, Duration::ZERO)).await.unwrap();
+            assert_eq!(response.status(), status, "relayed as the upstream sent it");
+            let body = axum::body::to_bytes(response.into_body(), 1024)
+                .await
+                .unwrap();
+            assert_eq!(&body[..], b"{\"ok\":true}");
+            let writes = script.writes.lock().unwrap().clone();
+            let expected = match uncertain {
+                true => Write::Uncertain {
+                    hold: Duration::from_secs(2),
+                },
+                false => Write::Release,
+            };
+            assert_eq!(writes[0].1, expected, "{status}");
+        }
+        // A service that may fail after its commit: 500 listed too.
+        let script = Script::default();
+        let (mut holder, _) = holder(&script, Duration::from_secs(30));
+        holder.uncertain_statuses =
+            super::super::outcome::UncertainStatuses::new(&[500, 502, 504]).unwrap();
+        run(holder, upstream(500, Duration::ZERO)).await.unwrap();
+        assert!(matches!(
+            script.writes.lock().unwrap()[0].1,
+            Write::Uncertain { .. }
+        ));
     }
 
     #[tokio::test(start_paused = true)]

@@ -156,20 +156,17 @@ mod tests {
         let engine = Engine::new(
             store,
             EngineSettings {
-                route: "orders".into(),
-                identity: idemgate_core::identity::Identity::header(http::header::AUTHORIZATION),
                 max_body_bytes: 1024,
                 body_read_timeout: Duration::from_secs(5),
                 max_stored_body_bytes: 1024,
                 on_concurrent,
                 wait_limit: Duration::from_secs(5),
                 uncertain_hold: Duration::from_secs(5),
-                reconcile: None,
-                budget: idemgate_core::budget::ClaimBudget::unbounded(),
-                body_budget: crate::idempotency::body::BodyBudget::unbounded(),
-                answer_budget: crate::idempotency::answer::AnswerBudget::unbounded(),
                 in_process: true,
-                keep_alive: None,
+                ..EngineSettings::new(
+                    "orders",
+                    idemgate_core::identity::Identity::header(http::header::AUTHORIZATION),
+                )
             },
             metrics,
             Arc::new(Holders::default()),

@@ -27,11 +27,63 @@ where
 }
 
 /// Outcomes that are recorded and replayed: the upstream acted (or refused
-/// for good). 5xx and the "try again" statuses are not: the retry runs.
-/// 3xx is stored too: a `303 See Other` after a POST means it executed.
+/// for good). 5xx and the "try again" statuses are not: the retry runs
+/// (unless the status is one of the route's [`UncertainStatuses`]). 3xx is
+/// stored too: a `303 See Other` after a POST means it executed.
 pub fn is_stored(status: StatusCode) -> bool {
     let code = status.as_u16();
     (200..500).contains(&code) && !matches!(code, 408 | 409 | 425 | 429)
+}
+
+/// What a route's upstream answers with when the action may have run but
+/// its answer was lost: `502` and `504` by default, the statuses a proxy in
+/// front of the service (nginx, an ingress, a load balancer, a sidecar)
+/// sends when it lost the service's answer or stopped waiting for it while
+/// the service went on working. Such an answer makes the record
+/// `uncertain`, exactly as a lost connection does (held while a copy may
+/// still run, then reconciled), never released: the httpapi working group
+/// says the same of intermediaries (draft-ietf-httpapi-idempotency-key-header
+/// issue #41: a 500 or 504 cannot be relied on to mean "no change").
+///
+/// Only 5xx statuses can be listed: every other status is an answer the
+/// service itself gave, stored or released by [`is_stored`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UncertainStatuses(u128);
+
+/// The statuses [`UncertainStatuses::default`] holds.
+pub const DEFAULT_UNCERTAIN_STATUSES: [u16; 2] = [502, 504];
+
+impl UncertainStatuses {
+    /// None: every 5xx releases its claim (a service answered directly,
+    /// with nothing in between that could lose its answer).
+    pub const NONE: UncertainStatuses = UncertainStatuses(0);
+
+    /// These statuses; `Err` names the first that is not a 5xx.
+    pub fn new(statuses: &[u16]) -> Result<UncertainStatuses, u16> {
+        let mut bits = 0u128;
+        for &status in statuses {
+            if !(500..=599).contains(&status) {
+                return Err(status);
+            }
+            bits |= 1 << (status - 500);
+        }
+        Ok(UncertainStatuses(bits))
+    }
+
+    /// Whether an answer with `status` may mean the action ran.
+    pub fn contains(self, status: StatusCode) -> bool {
+        let code = status.as_u16();
+        (500..=599).contains(&code) && self.0 & (1 << (code - 500)) != 0
+    }
+}
+
+impl Default for UncertainStatuses {
+    fn default() -> Self {
+        match UncertainStatuses::new(&DEFAULT_UNCERTAIN_STATUSES) {
+            Ok(statuses) => statuses,
+            Err(_) => UncertainStatuses::NONE,
+        }
+    }
 }
 
 /// Headers that describe a body; a replay without its body must not carry
@@ -91,4 +143,28 @@ pub fn replay(stored: StoredResponse, expires_at_ms: i64) -> Response<Body> {
     set_expires(headers, expires_at_ms);
     response.extensions_mut().insert(Verdict::Replayed);
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uncertain_statuses_are_5xx_only_and_default_to_502_and_504() {
+        let default = UncertainStatuses::default();
+        for (code, uncertain) in [(500, false), (502, true), (503, false), (504, true)] {
+            assert_eq!(
+                default.contains(StatusCode::from_u16(code).unwrap()),
+                uncertain,
+                "{code}"
+            );
+        }
+        let with_500 = UncertainStatuses::new(&[500, 502, 504, 599]).unwrap();
+        assert!(with_500.contains(StatusCode::INTERNAL_SERVER_ERROR));
+        assert!(with_500.contains(StatusCode::from_u16(599).unwrap()));
+        assert!(!with_500.contains(StatusCode::OK));
+        assert_eq!(UncertainStatuses::new(&[502, 404]), Err(404));
+        assert_eq!(UncertainStatuses::new(&[600]), Err(600));
+        assert!(!UncertainStatuses::NONE.contains(StatusCode::BAD_GATEWAY));
+    }
 }
