@@ -28,6 +28,7 @@ mod principals;
 mod protocols;
 mod proxy;
 mod redis_cluster;
+mod reloads;
 mod store;
 mod store_faults;
 mod token_routes;

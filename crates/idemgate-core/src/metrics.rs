@@ -285,7 +285,8 @@ pub struct Metrics {
     consumers: Series<ConsumerCounters>,
     /// Configuration reloads (`SIGHUP`): applied, refused.
     reloads: [AtomicU64; 2],
-    /// A hash of the configuration file in force (`idemgate_config_info`).
+    /// A fingerprint of the configuration in force, secrets left out
+    /// (`idemgate_config_info`).
     config_hash: std::sync::Mutex<String>,
     fallback_redis: AtomicU64,
     fallback_memory: AtomicU64,
@@ -567,7 +568,7 @@ impl Metrics {
             .clone();
         if !hash.is_empty() {
             out.push_str(
-                "# HELP idemgate_config_info The configuration in force (a hash of its file).\n",
+                "# HELP idemgate_config_info The configuration in force (a fingerprint of it, secrets left out).\n",
             );
             out.push_str("# TYPE idemgate_config_info gauge\n");
             let _ = writeln!(out, "idemgate_config_info{{hash=\"{hash}\"}} 1");

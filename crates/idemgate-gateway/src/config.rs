@@ -25,6 +25,7 @@ pub use crate::router::{PathMatch, RouteMatcher};
 mod consumer;
 mod options;
 mod plan;
+mod secrets;
 mod validate;
 pub use consumer::{Broker, ConsumerConfig, DEAD_LETTER_EXCHANGE};
 pub use plan::{AdminToken, Plan, PolicyPlan, RoutePlan};
@@ -753,6 +754,13 @@ impl ConfigError {
 impl Config {
     /// Reads, overrides from the environment, and validates.
     pub fn load(path: &Path) -> Result<Plan, ConfigError> {
+        Config::read(path)?.validate(&path.display().to_string())
+    }
+
+    /// Reads the file and applies the environment's overrides, without
+    /// validating (a reload validates what will run: see
+    /// `gateway/reload.rs`).
+    pub fn read(path: &Path) -> Result<Config, ConfigError> {
         let origin = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             origin: origin.clone(),
@@ -760,7 +768,7 @@ impl Config {
         })?;
         let mut config = Config::parse(&text, &origin)?;
         config.apply_env(|name| std::env::var(name).ok());
-        config.validate(&origin)
+        Ok(config)
     }
 
     /// Parses TOML text without validating it.
@@ -771,8 +779,10 @@ impl Config {
         })
     }
 
-    /// Applies the `IDEMGATE_*` overrides; `lookup` reads one variable.
+    /// Applies the `IDEMGATE_*` overrides; `lookup` reads one variable. A
+    /// secret's variable is trimmed, and one that is blank is not set.
     pub fn apply_env(&mut self, lookup: impl Fn(&str) -> Option<String>) {
+        let secret = |name: &str| secrets::from_env(lookup(name));
         if let Some(v) = lookup("IDEMGATE_LISTEN") {
             self.server.listen = v;
         }
@@ -785,10 +795,10 @@ impl Config {
         if let Some(v) = lookup("IDEMGATE_REDIS_URL") {
             self.store.redis_url = v;
         }
-        if let Some(v) = lookup("IDEMGATE_TOKEN_SECRET") {
+        if let Some(v) = secret("IDEMGATE_TOKEN_SECRET") {
             self.tokens.secret = v;
         }
-        if let Some(v) = lookup("IDEMGATE_ADMIN_TOKEN") {
+        if let Some(v) = secret("IDEMGATE_ADMIN_TOKEN") {
             self.server.admin_token = v;
             self.server.admin_token_file = None;
         }

@@ -20,6 +20,9 @@ pub struct Instance {
     pub admin: SocketAddr,
     /// Its config file (kept for a restart).
     pub config: PathBuf,
+    /// What its `admin_listen` says (an address on all interfaces, or the
+    /// loopback address of `admin`).
+    admin_bind: String,
     _dir: tempfile::TempDir,
 }
 
@@ -38,6 +41,39 @@ impl Instance {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Rewrites its config file: the same listeners, then `server` (more
+    /// `[server]` keys) and `body`.
+    pub fn rewrite(&self, server: &str, body: &str) {
+        std::fs::write(
+            &self.config,
+            config_text(&self.public, &self.admin_bind, server, body),
+        )
+        .unwrap();
+    }
+
+    /// Sends `SIGHUP` (reload the config file).
+    pub fn hup(&self) {
+        let sent = Command::new("kill")
+            .args(["-HUP", &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    }
+
+    /// Whether the process has exited (and how).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+}
+
+/// A config file's text: the listeners and the test defaults, `server`
+/// (more `[server]` keys), then `body`.
+fn config_text(public: &SocketAddr, admin_bind: &str, server: &str, body: &str) -> String {
+    format!(
+        "[server]\nlisten = \"{public}\"\nadmin_listen = \"{admin_bind}\"\nworker_threads = 2\n\
+         header_read_timeout = \"5s\"\nshutdown_grace = \"10s\"\n{server}\n{body}"
+    )
 }
 
 impl Drop for Instance {
@@ -90,18 +126,18 @@ async fn is_ready(instance: &mut Instance) -> bool {
 
 /// One gateway process with `env` set, not yet known to be up.
 pub fn spawn(server: &str, body: &str, env: &[(&str, &str)]) -> Instance {
+    spawn_on("127.0.0.1", server, body, env)
+}
+
+/// [`spawn`], its admin listener bound on `admin_host` (`0.0.0.0`: reachable
+/// from other hosts) and reached on loopback.
+pub fn spawn_on(admin_host: &str, server: &str, body: &str, env: &[(&str, &str)]) -> Instance {
     let dir = tempfile::tempdir().unwrap();
     let public: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let admin_bind = format!("{admin_host}:{}", admin.port());
     let config = dir.path().join("idemgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"{public}\"\nadmin_listen = \"{admin}\"\nworker_threads = 2\n\
-             header_read_timeout = \"5s\"\nshutdown_grace = \"10s\"\n{server}\n{body}"
-        ),
-    )
-    .unwrap();
+    std::fs::write(&config, config_text(&public, &admin_bind, server, body)).unwrap();
     let log = std::fs::File::create(dir.path().join("gateway.log")).unwrap();
     let mut command = Command::new(env!("CARGO_BIN_EXE_idemgate"));
     command
@@ -119,6 +155,7 @@ pub fn spawn(server: &str, body: &str, env: &[(&str, &str)]) -> Instance {
         public,
         admin,
         config,
+        admin_bind,
         _dir: dir,
     }
 }

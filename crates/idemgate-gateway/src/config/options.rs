@@ -71,12 +71,12 @@ impl IdentityConfig {
             (Some(secret), None, None) => {
                 idemgate_core::identity::JwtKeys::Hs256(secret.as_bytes().to_vec())
             }
-            (None, Some(var), None) => match std::env::var(var) {
-                Ok(secret) => idemgate_core::identity::JwtKeys::Hs256(secret.into_bytes()),
-                Err(_) => {
+            (None, Some(var), None) => match super::secrets::from_env(std::env::var(var).ok()) {
+                Some(secret) => idemgate_core::identity::JwtKeys::Hs256(secret.into_bytes()),
+                None => {
                     return Err(fail(
                         "hs256_secret_env",
-                        format!("the environment variable {var:?} is not set"),
+                        format!("the environment variable {var:?} is not set (or blank)"),
                     ));
                 }
             },

@@ -112,6 +112,7 @@ impl Plan {
     /// Loads `config` without the checks [`Config::validate`] makes of the
     /// values (for a configuration already validated, or built in code).
     pub fn load(config: Config) -> Result<Plan, ConfigError> {
+        let config = config.with_secrets_trimmed();
         let mut problems = Vec::new();
         let loaded = load(&config, &mut |key, reason| {
             problems.push(Problem { key, reason })

@@ -10,8 +10,13 @@ use super::*;
 impl Config {
     /// Checks everything serde could not, collecting every problem, and
     /// loads what the configuration names (certificates, keys, the JWKS
-    /// file): the [`Plan`] start-up assembles from.
+    /// file): the [`Plan`] start-up assembles from. Secrets are trimmed
+    /// first, so every check judges what will be used.
     pub fn validate(&self, origin: &str) -> Result<Plan, ConfigError> {
+        self.clone().with_secrets_trimmed().validate_trimmed(origin)
+    }
+
+    fn validate_trimmed(self, origin: &str) -> Result<Plan, ConfigError> {
         let mut problems = Vec::new();
         let mut add = |key: String, reason: String| problems.push(Problem { key, reason });
 
@@ -220,7 +225,10 @@ impl Config {
             );
         }
         if self.tokens.secrets.iter().any(String::is_empty) {
-            add("tokens.secrets".into(), "a secret must not be empty".into());
+            add(
+                "tokens.secrets".into(),
+                "a secret must not be empty (or blank)".into(),
+            );
         }
         if let Some(cors) = &self.server.cors {
             if let Some(reason) = cors.max_age.problem_unless_zero() {
@@ -395,14 +403,14 @@ impl Config {
 
         self.check_timing(&mut add);
         // Read once, here: what start-up uses is what was checked.
-        let loaded = super::plan::load(self, &mut add);
+        let loaded = super::plan::load(&self, &mut add);
 
         // A part that cannot be built is often a value checked above as
         // well: each problem once.
         let mut seen = BTreeSet::new();
         problems.retain(|p| seen.insert((p.key.clone(), p.reason.clone())));
         match loaded {
-            Some(loaded) if problems.is_empty() => Ok(loaded.into_plan(self.clone())),
+            Some(loaded) if problems.is_empty() => Ok(loaded.into_plan(self)),
             _ => Err(ConfigError::Invalid {
                 origin: origin.to_owned(),
                 problems,
@@ -617,6 +625,13 @@ impl Config {
                     }
                 }
                 if let Some(sig) = &r.signature {
+                    if sig.secrets.iter().any(String::is_empty) {
+                        add(
+                            key("signature.secrets"),
+                            "a secret must not be empty (or blank): anyone could sign with it"
+                                .into(),
+                        );
+                    }
                     if sig.secrets.is_empty() && sig.secrets_env.is_none() {
                         add(
                             key("signature"),

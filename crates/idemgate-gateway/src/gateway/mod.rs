@@ -420,10 +420,9 @@ fn descriptor_budgets(config: &Config, workers: usize) -> idemgate_core::limits:
 /// `idemgate serve`: runs until SIGTERM or SIGINT, then drains; `SIGHUP`
 /// re-reads `path` (see [`RunningGateway::reload`]).
 pub async fn run(plan: Plan, path: std::path::PathBuf) -> Result<(), StartError> {
+    let fingerprint = plan.config.fingerprint();
     let mut gateway = start_plan(plan).await?;
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        gateway.metrics.set_config_hash(&reload::config_hash(&text));
-    }
+    gateway.metrics.set_config_hash(&fingerprint);
     let mut hangups = reload::hangups();
     let terminated = idemgate_server::termination();
     tokio::pin!(terminated);

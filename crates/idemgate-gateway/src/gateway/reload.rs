@@ -6,15 +6,20 @@
 //! no connection is closed. Claims in flight, their budgets and the store
 //! stay what they are.
 //!
-//! A file that does not validate is refused with every problem logged, and
-//! the running configuration stays. What only a restart can change (the
-//! listeners, TLS, worker threads and connection limits, everything under
-//! `[store]`) keeps its running value, and the log says which keys differ.
+//! What is validated is what will run (docs/semantics.md, rule 12). The
+//! keys only a restart applies (the listeners, TLS, worker threads and
+//! connection limits, telemetry, everything under `[store]`) keep their
+//! running values, and the file's other keys are checked beside them with
+//! every start-up check: a longer upstream timeout against the running
+//! retention, a new admin token against the admin listener that stays. A
+//! file that does not validate so is refused with every problem logged and
+//! counted, and the running configuration stays; the log says which
+//! restart-only keys differ. A random token secret (no secret configured)
+//! is drawn once per process: a reload keeps it, so no issued token turns
+//! invalid under a client that would then fetch another and pay twice.
 
 use std::path::Path;
 use std::sync::Arc;
-
-use sha2::Digest;
 
 use super::{RunningGateway, Shared, admin_state, consumers};
 use crate::config::{Config, Plan};
@@ -44,28 +49,25 @@ pub(super) fn hangups() -> tokio::sync::mpsc::Receiver<()> {
     receive
 }
 
-/// A short hash of the configuration text (`idemgate_config_info`).
-pub(super) fn config_hash(text: &str) -> String {
-    hex::encode(&sha2::Sha256::digest(text.as_bytes())[..8])
-}
-
 impl RunningGateway {
     /// Reads `path` again and puts what it says in force (see the module
-    /// docs); a file that does not load is refused and logged.
+    /// docs); a file that does not validate as what would run is refused
+    /// and logged.
     pub async fn reload(&mut self, path: &Path) {
-        let loaded = std::fs::read_to_string(path).map(|text| {
-            let hash = config_hash(&text);
-            (Config::load(path), hash)
-        });
-        let (plan, hash) = match loaded {
-            Ok((Ok(plan), hash)) => (plan, hash),
-            Ok((Err(e), _)) => return self.refused(&e.to_string()),
-            Err(e) => return self.refused(&format!("cannot read {}: {e}", path.display())),
+        let origin = path.display().to_string();
+        let next = match Config::read(path) {
+            Ok(next) => next,
+            Err(e) => return self.refused(&e.to_string()),
         };
-        let kept = restart_only(&self.shared.config, &plan.config);
+        let (next, kept) = next.keeping_restart_only(&self.shared.config);
         if !kept.is_empty() {
-            tracing::warn!(keys = %kept.join(", "), layer = "reload", "these keys changed but only take effect after a restart; their running values stay");
+            tracing::warn!(keys = %kept.join(", "), layer = "reload", "these keys changed but only take effect after a restart; their running values stay, and the file was checked with them");
         }
+        let plan = match next.validate(&origin) {
+            Ok(plan) => plan,
+            Err(e) => return self.refused(&e.to_string()),
+        };
+        let fingerprint = plan.config.fingerprint();
         let shared = Arc::new(self.shared.reloaded(plan));
         self.admin.replace(admin_state(&shared, &self.store));
         // The consumers: the old ones finish the messages in hand (within
@@ -90,10 +92,10 @@ impl RunningGateway {
         let _ = self.tables.send(shared.clone());
         self.shared = shared;
         self.metrics.reloaded(true);
-        self.metrics.set_config_hash(&hash);
+        self.metrics.set_config_hash(&fingerprint);
         tracing::info!(
-            config = %path.display(),
-            hash = %hash,
+            config = %origin,
+            fingerprint = %fingerprint,
             routes = self.shared.config.routes.len(),
             consumers = self.shared.config.consumers.len(),
             layer = "reload",
@@ -109,64 +111,83 @@ impl RunningGateway {
     }
 }
 
-/// The keys only a restart applies that `next` changes.
-fn restart_only(running: &Config, next: &Config) -> Vec<&'static str> {
-    let (a, b) = (&running.server, &next.server);
-    let mut changed = Vec::new();
-    let mut check = |key, differs: bool| {
-        if differs {
-            changed.push(key);
-        }
-    };
-    check("server.listen", a.listen != b.listen);
-    check("server.admin_listen", a.admin_listen != b.admin_listen);
-    check(
-        "server.tls",
-        format!("{:?}", a.tls) != format!("{:?}", b.tls),
-    );
-    check("server.http2", a.http2 != b.http2);
-    check("telemetry", running.telemetry != next.telemetry);
-    check(
-        "server.worker_threads",
-        a.worker_threads != b.worker_threads,
-    );
-    check(
-        "server.max_connections",
-        a.max_connections != b.max_connections,
-    );
-    check("server.max_claims", a.max_claims != b.max_claims);
-    check(
-        "server.max_buffered_bytes",
-        a.max_buffered_bytes != b.max_buffered_bytes,
-    );
-    check(
-        "server.max_captured_bytes",
-        a.max_captured_bytes != b.max_captured_bytes,
-    );
-    check(
-        "server.header_read_timeout",
-        a.header_read_timeout.get() != b.header_read_timeout.get(),
-    );
-    check(
-        "server.shutdown_grace",
-        a.shutdown_grace.get() != b.shutdown_grace.get(),
-    );
-    check(
-        "store",
-        format!("{:?}", running.store) != format!("{:?}", next.store),
-    );
-    changed
+impl Config {
+    /// This configuration as a reload of `running` would run it: every key
+    /// only a restart applies at its running value. With the keys whose
+    /// value in this file differs (and does not run).
+    fn keeping_restart_only(mut self, running: &Config) -> (Config, Vec<&'static str>) {
+        let mut differ = Vec::new();
+        let (was, next) = (&running.server, &mut self.server);
+        let mut keep = |key, differs: bool| {
+            if differs {
+                differ.push(key);
+            }
+        };
+        keep("server.listen", was.listen != next.listen);
+        keep("server.admin_listen", was.admin_listen != next.admin_listen);
+        keep(
+            "server.tls",
+            format!("{:?}", was.tls) != format!("{:?}", next.tls),
+        );
+        keep("server.http2", was.http2 != next.http2);
+        keep(
+            "server.worker_threads",
+            was.worker_threads != next.worker_threads,
+        );
+        keep(
+            "server.max_connections",
+            was.max_connections != next.max_connections,
+        );
+        keep("server.max_claims", was.max_claims != next.max_claims);
+        keep(
+            "server.max_buffered_bytes",
+            was.max_buffered_bytes != next.max_buffered_bytes,
+        );
+        keep(
+            "server.max_captured_bytes",
+            was.max_captured_bytes != next.max_captured_bytes,
+        );
+        keep(
+            "server.header_read_timeout",
+            was.header_read_timeout.get() != next.header_read_timeout.get(),
+        );
+        keep(
+            "server.shutdown_grace",
+            was.shutdown_grace.get() != next.shutdown_grace.get(),
+        );
+        keep("telemetry", running.telemetry != self.telemetry);
+        keep(
+            "store",
+            format!("{:?}", running.store) != format!("{:?}", self.store),
+        );
+        let next = &mut self.server;
+        next.listen = was.listen.clone();
+        next.admin_listen = was.admin_listen.clone();
+        next.tls = was.tls.clone();
+        next.http2 = was.http2;
+        next.worker_threads = was.worker_threads;
+        next.max_connections = was.max_connections;
+        next.max_claims = was.max_claims;
+        next.max_buffered_bytes = was.max_buffered_bytes;
+        next.max_captured_bytes = was.max_captured_bytes;
+        next.header_read_timeout = was.header_read_timeout.clone();
+        next.shutdown_grace = was.shutdown_grace.clone();
+        self.telemetry = running.telemetry.clone();
+        self.store = running.store.clone();
+        (self, differ)
+    }
 }
 
 impl Shared {
     /// The shared state `plan` describes, keeping what lives for the whole
     /// process: the store, the claims in flight and their budgets, the
-    /// metrics, and every key only a restart applies (see
-    /// [`restart_only`]).
+    /// metrics, the random token secret. `plan` carries the running values
+    /// of the keys only a restart applies (see
+    /// [`Config::keeping_restart_only`]).
     fn reloaded(&self, plan: Plan) -> Shared {
         let token_routes = plan.token_routes();
         let Plan {
-            mut config,
+            config,
             identity,
             server_tls: _,
             upstreams,
@@ -174,10 +195,12 @@ impl Shared {
             cors,
             admin_token,
         } = plan;
-        config.server = self.config.server.clone();
-        config.store = self.config.store.clone();
         let (token_keys, random_secret) =
-            idemgate::token::TokenKeys::rotating(&config.tokens.secret_list());
+            match idemgate::token::TokenKeys::rotating(&config.tokens.secret_list()) {
+                // Still no secret: the process's random one goes on signing.
+                (_, true) if self.random_secret => (self.token_keys.clone(), true),
+                (keys, random) => (Arc::new(keys), random),
+            };
         let upstreams = upstreams
             .into_iter()
             .map(|(name, mut upstream)| {
@@ -193,7 +216,7 @@ impl Shared {
             metrics: self.metrics.clone(),
             store: self.store.clone(),
             memory: self.memory.clone(),
-            token_keys: Arc::new(token_keys),
+            token_keys,
             random_secret,
             token_routes,
             workers: self.workers,
