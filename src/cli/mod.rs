@@ -143,6 +143,7 @@ async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
     let scope = |client: &Option<String>| client.as_ref().map(|c| identity.scope_for_operator(c));
     match action {
         KeysAction::Show { route, key, client } => {
+            let route = config.record_id_of(&route).to_owned();
             let scope = scope(&client);
             let records: Vec<_> = store
                 .find_for_operator(&route, &key)
@@ -167,6 +168,7 @@ async fn keys(config: &Config, action: KeysAction) -> Result<(), String> {
             Ok(())
         }
         KeysAction::Purge { route, key, client } => {
+            let route = config.record_id_of(&route).to_owned();
             // Answered once every gateway's in-process layer has read the
             // purge log (or stopped replaying from memory).
             let purged = store

@@ -720,3 +720,89 @@ async fn issuing_tokens_is_limited_per_principal() {
     assert_eq!(fetch("Bearer bob").await.status, 201);
     stack.shutdown().await;
 }
+
+/// An ES256 key of an identity provider: its signing key and its JWK.
+fn idp_key(kid: &str) -> (jsonwebtoken::EncodingKey, serde_json::Value) {
+    let pair = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let point = pair.public_key_raw(); // 0x04 || x || y
+    let b64 = |b: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b);
+    let jwk = serde_json::json!({
+        "kty": "EC", "crv": "P-256", "kid": kid, "alg": "ES256", "use": "sig",
+        "x": b64(&point[1..33]), "y": b64(&point[33..65]),
+    });
+    (
+        jsonwebtoken::EncodingKey::from_ec_der(&pair.serialize_der()),
+        jwk,
+    )
+}
+
+/// Two identity providers trusted side by side (their keys in one JWKS),
+/// each with a user `u-1`: tenant B's `u-1` sending the same key and body
+/// as tenant A's is another client — executed, never handed A's stored
+/// answer. With `issuers` listed, a third provider's token is `401`.
+/// (Before, a JWT scope was the claim alone when no issuer was set: B got
+/// A's answer and B's order never ran.)
+#[tokio::test]
+async fn the_same_subject_from_two_issuers_is_two_clients() {
+    let (key_a, jwk_a) = idp_key("idp-a");
+    let (key_b, jwk_b) = idp_key("idp-b");
+    let dir = tempfile::tempdir().unwrap();
+    let jwks = dir.path().join("jwks.json");
+    std::fs::write(
+        &jwks,
+        serde_json::json!({"keys": [jwk_a, jwk_b]}).to_string(),
+    )
+    .unwrap();
+    let token = |key: &jsonwebtoken::EncodingKey, kid: &str, iss: &str| {
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+        header.kid = Some(kid.into());
+        let claims = serde_json::json!({"sub": "u-1", "iss": iss, "exp": now() + 300});
+        format!(
+            "Bearer {}",
+            jsonwebtoken::encode(&header, &claims, key).unwrap()
+        )
+    };
+    let a = token(&key_a, "idp-a", "https://a.example");
+    let b = token(&key_b, "idp-b", "https://b.example");
+    for issuers in [
+        "",
+        r#"issuers = ["https://a.example", "https://b.example"]"#,
+    ] {
+        let routes = format!(
+            "[identity.jwt]\njwks_file = {:?}\n{issuers}\n{KEY_ROUTE}",
+            jwks.display().to_string()
+        );
+        let stack = Stack::start(&routes).await;
+        let order = async |auth: &str| {
+            post(
+                &stack.http,
+                &stack,
+                "/actions/pay",
+                &[("authorization", auth), ("idempotency-key", "order-7")],
+                "{\"amount\":100}",
+            )
+            .await
+        };
+        let first = order(&a).await;
+        assert_eq!(first.status, 201, "{:?}", first.body);
+        let other = order(&b).await;
+        assert_eq!(other.status, 201, "{issuers}: {:?}", other.body);
+        assert_eq!(other.header("idempotent-replayed"), None, "{issuers}");
+        assert_ne!(other.json()["execution_id"], first.json()["execution_id"]);
+        assert_ne!(
+            other.json()["key"],
+            first.json()["key"],
+            "two forwarded keys"
+        );
+        assert_eq!(executions(&stack, "pay"), 2, "{issuers}: B's order ran");
+        // Each one's retry is its own replay.
+        let again = order(&b).await;
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        assert_eq!(again.json()["execution_id"], other.json()["execution_id"]);
+        // A token of an issuer not listed, signed by a trusted key.
+        let stranger = token(&key_a, "idp-a", "https://c.example");
+        let expected = if issuers.is_empty() { 201 } else { 401 };
+        assert_eq!(order(&stranger).await.status, expected, "{issuers}");
+        stack.shutdown().await;
+    }
+}

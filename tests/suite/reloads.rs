@@ -257,3 +257,160 @@ async fn the_published_fingerprint_leaves_secrets_out() {
     reload_counted(&http, &gw, APPLIED).await;
     assert_ne!(info().await, before, "everything else does");
 }
+
+/// Two gateways on one Postgres schema with a key route `pay` and a token
+/// route `checkout`, their upstream taking `delay` per request.
+fn scoped_config(db: &str, upstream: std::net::SocketAddr, identity: &str, pay: &str) -> String {
+    format!(
+        r#"
+        [store]
+        database_url = "{db}"
+        lease = "8s"
+
+        [tokens]
+        secret = "a-secret-for-this-test"
+
+        [identity]
+        header = "{identity}"
+
+        [[upstreams]]
+        name = "demo"
+        url = "http://{upstream}"
+        timeout = "5s"
+
+        [[routes]]
+        {pay}
+        methods = ["POST"]
+        path_prefix = "/actions/"
+        upstream = "demo"
+        idempotency = "key"
+
+        [[routes]]
+        name = "checkout"
+        methods = ["POST"]
+        path = "/checkout"
+        upstream = "demo"
+        idempotency = "token"
+        "#
+    )
+}
+
+/// Records keep their identity across reloads of two running instances
+/// with a claim live on one of them. A rename without `id` and a switch of
+/// the identity header (as check-config advises for a raw credential)
+/// would each put the live and retained records out of reach — a second
+/// copy beside the running one, the answered request executed again: each
+/// is refused on both instances, naming the route and the count, and the
+/// running configuration goes on replaying. A rename that keeps `id` is
+/// applied: the running request completes, and its retry on the other
+/// instance replays it. (Before, every one of them was applied silently.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_never_moves_live_records_to_another_scope() {
+    let test = "a_reload_never_moves_live_records_to_another_scope";
+    let Some(db) = support::services::postgres(test).await else {
+        return;
+    };
+    let upstream = demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let named = |id: &str| format!("name = \"pay\"{id}");
+    let first = scoped_config(&db, upstream.addr, "X-User-Id", &named(""));
+    let gateways = instances::start(2, "", &first).await;
+    let http = Http::http1();
+    let pay = |on: &Instance, key: &'static str, extra: &'static [(&'static str, &'static str)]| {
+        let (http, url) = (http.clone(), on.url("/actions/pay"));
+        async move {
+            let mut headers = vec![("idempotency-key", key), ("x-user-id", "alice")];
+            headers.extend_from_slice(extra);
+            http.send("POST", &url, &headers, "{\"amount\":100}").await
+        }
+    };
+    let answered = pay(&gateways[0], "done-1", &[]).await;
+    assert_eq!(answered.status, 201);
+    // A claim live on the first instance while the reloads come.
+    let running = tokio::spawn(pay(&gateways[0], "live-1", &[("x-demo-delay-ms", "2500")]));
+    support::reached(&upstream, 2).await;
+
+    let renamed = scoped_config(&db, upstream.addr, "X-User-Id", "name = \"payments\"");
+    let reidentified = scoped_config(&db, upstream.addr, "Authorization", &named(""));
+    for refused in [&renamed, &reidentified] {
+        for gw in &gateways {
+            gw.rewrite("", refused);
+            reload_counted(&http, gw, REFUSED).await;
+            let log = instances::log_of(gw);
+            assert!(
+                log.contains(r#"\"pay\""#) && log.contains("2 live or retained record(s)"),
+                "{log}"
+            );
+        }
+    }
+    // Still the running configuration: the retry on the other instance is
+    // told the first is in flight, the answered one replays.
+    let during = pay(&gateways[1], "live-1", &[]).await;
+    assert_eq!(during.status, 409, "{:?}", during.body);
+    let replayed = pay(&gateways[1], "done-1", &[]).await;
+    assert_eq!(replayed.header("idempotent-replayed"), Some("true"));
+
+    // A rename that keeps the records' identity.
+    let kept = scoped_config(
+        &db,
+        upstream.addr,
+        "X-User-Id",
+        "name = \"payments\"\nid = \"pay\"",
+    );
+    for gw in &gateways {
+        gw.rewrite("", &kept);
+        reload_counted(&http, gw, APPLIED).await;
+    }
+    assert_eq!(running.await.unwrap().status, 201);
+    for (key, gw) in [("live-1", &gateways[1]), ("done-1", &gateways[0])] {
+        let retry = pay(gw, key, &[]).await;
+        assert_eq!(retry.status, 201);
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{key}");
+    }
+    assert_eq!(executions_at(&upstream, "pay"), 2, "each request once");
+    assert_eq!(upstream.state.stats().peak_copies, 1);
+}
+
+/// The same refusal at start-up: a gateway restarted with its key route
+/// renamed (no `id`) while the route's records are retained does not
+/// serve; it exits naming the route and the count. Restarted with the
+/// old name, it replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_would_orphan_records_does_not_serve() {
+    let upstream = demo_upstream::start("127.0.0.1:0").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}/records.db", dir.path().display());
+    let first = scoped_config(&db, upstream.addr, "X-User-Id", "name = \"pay\"");
+    let gw = instances::spawn("", &first, &[]);
+    instances::wait_ready(&gw).await;
+    let http = Http::http1();
+    let headers = [("idempotency-key", "k-1"), ("x-user-id", "bob")];
+    let answered = http
+        .send("POST", &gw.url("/actions/pay"), &headers, "{}")
+        .await;
+    assert_eq!(answered.status, 201);
+    drop(gw);
+
+    let renamed = scoped_config(&db, upstream.addr, "X-User-Id", "name = \"payments\"");
+    let mut gw = instances::spawn("", &renamed, &[]);
+    let exited = eventually(Duration::from_secs(10), || {
+        let done = gw.exited().is_some();
+        async move { done }
+    })
+    .await;
+    assert!(exited, "it served: {}", instances::log_of(&gw));
+    assert!(!gw.exited().unwrap().success());
+    let log = instances::log_of(&gw);
+    assert!(
+        log.contains("\"pay\"") && log.contains("1 live or retained record(s)"),
+        "{log}"
+    );
+    drop(gw);
+
+    let gw = instances::spawn("", &first, &[]);
+    instances::wait_ready(&gw).await;
+    let again = http
+        .send("POST", &gw.url("/actions/pay"), &headers, "{}")
+        .await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(executions_at(&upstream, "pay"), 1);
+}

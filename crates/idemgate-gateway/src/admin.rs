@@ -48,6 +48,17 @@ pub struct AdminState {
     pub max_stored_body_bytes: usize,
     /// What answers being recorded may hold (`server.max_captured_bytes`).
     pub answer_budget: idemgate::idempotency::answer::AnswerBudget,
+    /// Each route's and consumer's name, with the identity its records
+    /// are kept under (`routes[].id`), for paths that name a route.
+    pub record_ids: Arc<HashMap<String, String>>,
+}
+
+impl AdminState {
+    /// The record identity of the route (or consumer) a path names: its
+    /// id for a name, else the text as given (an id, or a route gone).
+    fn records_of(&self, route: String) -> String {
+        self.record_ids.get(&route).cloned().unwrap_or(route)
+    }
 }
 
 /// Each route with a `reconcile_path`: its status endpoint, and how long
@@ -205,6 +216,7 @@ async fn show_key(
     Query(p): Query<ClientParam>,
 ) -> Response {
     let state = handle.current();
+    let route = state.records_of(route);
     let scope = p.client.map(|c| state.identity.scope_for_operator(&c));
     match state.store.find_for_operator(&route, &key).await {
         Ok(records) => {
@@ -230,6 +242,7 @@ async fn purge_key(
     Query(p): Query<ClientParam>,
 ) -> Response {
     let state = handle.current();
+    let route = state.records_of(route);
     let scope = p.client.map(|c| state.identity.scope_for_operator(&c));
     match state
         .store
@@ -307,6 +320,7 @@ async fn reconcile_record(
     Query(p): Query<ScopeParam>,
 ) -> Response {
     let state = handle.current();
+    let route = state.records_of(route);
     let Some((reconcile, deadline)) = state.reconcilers.get(&route) else {
         return (
             StatusCode::NOT_FOUND,

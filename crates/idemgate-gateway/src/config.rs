@@ -331,8 +331,13 @@ pub struct JwtConfig {
     pub hs256_secret_env: Option<String>,
     /// RS256/ES256: a JWKS file (`{"keys": […]}`), read at start-up.
     pub jwks_file: Option<String>,
-    /// Required `iss` (and part of the principal).
+    /// The one accepted `iss` (a one-element `issuers`).
     pub issuer: Option<String>,
+    /// The accepted `iss` values (empty, with no `issuer`: any). The
+    /// token's own `iss` is part of the principal either way: the same
+    /// claim from two issuers is two clients.
+    #[serde(default)]
+    pub issuers: Vec<String>,
     /// Required `aud`.
     pub audience: Option<String>,
     /// Clock skew allowed on `exp` and `nbf`.
@@ -384,6 +389,10 @@ pub struct UpstreamConfig {
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     pub name: String,
+    /// The identity its records (and the tokens bound to it) are kept
+    /// under; default: `name`. Keep it to rename a route without losing
+    /// its live and retained records.
+    pub id: Option<String>,
     /// Empty means every method.
     #[serde(default)]
     pub methods: Vec<String>,
@@ -804,6 +813,24 @@ impl Config {
         }
     }
 
+    /// The identity the records of the route or consumer an operator names
+    /// are kept under (`routes[].id`): a name maps to its route's id; any
+    /// other text (an id itself, a route no longer configured) is taken
+    /// as it is.
+    pub fn record_id_of<'a>(&'a self, named: &'a str) -> &'a str {
+        self.routes
+            .iter()
+            .find(|r| r.name == named)
+            .map(RouteConfig::record_id)
+            .or_else(|| {
+                self.consumers
+                    .iter()
+                    .find(|c| c.name == named)
+                    .map(ConsumerConfig::record_id)
+            })
+            .unwrap_or(named)
+    }
+
     /// The upstream a route names (validation guarantees it exists).
     pub fn upstream(&self, name: &str) -> Option<&UpstreamConfig> {
         self.upstreams.iter().find(|u| u.name == name)
@@ -832,6 +859,16 @@ impl UpstreamConfig {
     }
 }
 
+impl JwtConfig {
+    /// The accepted issuers: `issuers`, or `issuer` alone.
+    pub fn issuer_list(&self) -> Vec<String> {
+        match &self.issuer {
+            Some(one) if self.issuers.is_empty() => vec![one.clone()],
+            _ => self.issuers.clone(),
+        }
+    }
+}
+
 impl UpstreamConfig {
     /// `uncertain_statuses`, checked (validation refuses a status outside
     /// 5xx; none is taken here for one that slipped through).
@@ -842,6 +879,11 @@ impl UpstreamConfig {
 }
 
 impl RouteConfig {
+    /// The identity its records are kept under: `id`, or the name.
+    pub fn record_id(&self) -> &str {
+        self.id.as_deref().unwrap_or(&self.name)
+    }
+
     /// The policy this route runs under.
     pub fn idempotency(&self) -> Idempotency {
         self.idempotency.unwrap_or_default()

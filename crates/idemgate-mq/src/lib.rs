@@ -156,7 +156,11 @@ impl Source {
 /// One consumer's settings.
 #[derive(Debug, Clone)]
 pub struct ConsumerSettings {
+    /// Its name in logs, metrics and spans.
     pub name: Arc<str>,
+    /// The identity its records and delivery counts are kept under (its
+    /// name unless it keeps another across a rename).
+    pub records: Arc<str>,
     pub source: Source,
     pub path: http::uri::PathAndQuery,
     pub sources: Arc<[MessageKeySource]>,
@@ -409,7 +413,7 @@ impl Deliverer {
                         .engine
                         .store()
                         .sql()
-                        .delivery(&self.settings.name, &mark)
+                        .delivery(&self.settings.records, &mark)
                         .await
                     {
                         Ok((_, true)) => return Verdict::Ack(MessageOutcome::Duplicate),
@@ -430,7 +434,7 @@ impl Deliverer {
                 .engine
                 .store()
                 .sql()
-                .delivery(&self.settings.name, &row)
+                .delivery(&self.settings.records, &row)
                 .await
             {
                 Ok(found) => found,
@@ -513,7 +517,7 @@ impl Deliverer {
             .engine
             .store()
             .sql()
-            .find(&self.settings.name, key)
+            .find(&self.settings.records, key)
             .await
             .map_err(|_| ())?;
         Ok(records.iter().any(idemgate_store::Record::is_held))
@@ -580,7 +584,7 @@ impl Deliverer {
             .retry_delay
             .clamp(Duration::from_millis(100), Duration::from_secs(1));
         loop {
-            let e = match sql.mark_dead_lettered(&self.settings.name, &key).await {
+            let e = match sql.mark_dead_lettered(&self.settings.records, &key).await {
                 Ok(()) => return,
                 Err(e) => e,
             };
@@ -605,7 +609,7 @@ impl Deliverer {
             .engine
             .store()
             .sql()
-            .release_dead_letter(&self.settings.name, &key, holder)
+            .release_dead_letter(&self.settings.records, &key, holder)
             .await;
     }
 
@@ -663,7 +667,7 @@ impl Deliverer {
                 done = &mut publish => return done,
                 _ = renew.tick() => {
                     let sql = self.engine.store().sql();
-                    if !matches!(sql.renew_dead_letter(&self.settings.name, &row, holder, lease).await, Ok(true)) {
+                    if !matches!(sql.renew_dead_letter(&self.settings.records, &row, holder, lease).await, Ok(true)) {
                         tracing::warn!(consumer = %self.settings.name, key = %key_ref(&row), layer = "consumer", "the dead-letter copy's lease could not be renewed while its broker has not confirmed it; another instance may make the copy again, under the same copy id");
                     }
                 }
@@ -692,7 +696,7 @@ impl Deliverer {
         self.engine
             .store()
             .sql()
-            .claim_dead_letter(&self.settings.name, &row, holder, self.copy_lease())
+            .claim_dead_letter(&self.settings.records, &row, holder, self.copy_lease())
             .await
             .map_err(|_| ())
     }
@@ -784,7 +788,7 @@ impl Deliverer {
             .engine
             .store()
             .sql()
-            .count_delivery_failure(&self.settings.name, row, fresh)
+            .count_delivery_failure(&self.settings.records, row, fresh)
             .await
         {
             Ok(failures) => failures,

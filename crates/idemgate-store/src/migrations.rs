@@ -32,7 +32,7 @@ struct Source {
 }
 
 #[cfg(feature = "postgres")]
-const POSTGRES: [Source; 8] = [
+const POSTGRES: [Source; 9] = [
     Source {
         version: 1,
         description: "records",
@@ -73,10 +73,15 @@ const POSTGRES: [Source; 8] = [
         description: "schema_locks",
         sql: include_str!("../migrations/postgres/0008_schema_locks.sql"),
     },
+    Source {
+        version: 9,
+        description: "scopes",
+        sql: include_str!("../migrations/postgres/0009_scopes.sql"),
+    },
 ];
 
 #[cfg(feature = "sqlite")]
-const SQLITE: [Source; 6] = [
+const SQLITE: [Source; 7] = [
     Source {
         version: 1,
         description: "records",
@@ -106,6 +111,11 @@ const SQLITE: [Source; 6] = [
         version: 6,
         description: "dead_letter_lease",
         sql: include_str!("../migrations/sqlite/0006_dead_letter_lease.sql"),
+    },
+    Source {
+        version: 7,
+        description: "scopes",
+        sql: include_str!("../migrations/sqlite/0007_scopes.sql"),
     },
 ];
 

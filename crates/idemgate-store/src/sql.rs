@@ -87,6 +87,10 @@ macro_rules! with_pool {
     };
 }
 
+// After `with_pool!`, which it uses.
+mod scopes;
+pub use scopes::{Orphaned, Scoping};
+
 /// The SQL record store.
 #[derive(Clone)]
 pub struct SqlStore {

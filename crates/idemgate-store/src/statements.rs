@@ -118,9 +118,9 @@ pub(super) struct Statements {
 
 /// Postgres's clock, in milliseconds; `clock_timestamp()` is the time the
 /// expression runs (after any lock wait), not the transaction's start.
-const PG_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+pub(crate) const PG_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 const PG_EPOCH: &str = "(extract(epoch from clock_timestamp()) * 1000000)::bigint";
-const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+pub(crate) const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
 const SQLITE_EPOCH: &str = "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)";
 
 pub(super) static POSTGRES: LazyLock<Statements> = LazyLock::new(|| {

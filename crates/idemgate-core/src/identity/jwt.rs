@@ -4,10 +4,17 @@
 //! header). It must be signed with HS256 by the configured secret, or with
 //! RS256/ES256 by a key of the JWKS file (chosen by `kid`; a set of one key
 //! needs none). `exp` is required, `nbf` honoured, both with a leeway;
-//! `iss` and `aud` are checked when configured. `alg: none` and any
-//! algorithm the key was not published for are refused. The scope is a
-//! hash of the configured issuer and the claim's value: the same person
-//! with a refreshed token is the same client.
+//! `iss` is one of the configured issuers when any are, and `aud` is
+//! checked when configured. `alg: none` and any algorithm the key was not
+//! published for are refused.
+//!
+//! The principal is the pair (the token's own `iss`, the claim's value),
+//! always: two identity providers trusted side by side (one JWKS holding
+//! both their keys, or two issuers listed) each number their users, and
+//! the same `sub` from each is two people. Scoped by the claim alone,
+//! tenant B's user would be handed tenant A's stored answer. The scope is
+//! a hash of both: the same person with a refreshed token is the same
+//! client.
 //!
 //! Verification uses the `jsonwebtoken` crate (9.x, on ring, which the TLS
 //! stack already builds; the later major versions need a second crypto
@@ -35,8 +42,9 @@ pub struct JwtSettings {
     pub claim: String,
     /// How the signature is checked.
     pub keys: JwtKeys,
-    /// Required `iss`, when set (and part of the scope).
-    pub issuer: Option<String>,
+    /// The accepted `iss` values (empty: any). The token's own `iss` is
+    /// part of the scope either way.
+    pub issuers: Vec<String>,
     /// Required `aud`, when set.
     pub audience: Option<String>,
     /// Clock skew allowed on `exp` and `nbf`.
@@ -65,7 +73,9 @@ impl std::fmt::Debug for JwtKeys {
 pub struct JwtIdentity {
     header: HeaderName,
     claim: String,
-    issuer: String,
+    /// The one accepted issuer, when exactly one is configured: what an
+    /// operator's principal without an issuer is read under.
+    only_issuer: Option<String>,
     /// By `kid` (`None`: the key used when a token names none).
     keys: HashMap<Option<String>, Arc<(DecodingKey, Validation)>>,
 }
@@ -78,9 +88,14 @@ impl JwtIdentity {
             v.leeway = settings.leeway.as_secs();
             v.validate_nbf = true;
             v.set_required_spec_claims(&["exp"]);
-            match &settings.issuer {
-                Some(iss) => v.set_issuer(&[iss]),
-                None => v.iss = None,
+            match settings.issuers.as_slice() {
+                [] => v.iss = None,
+                issuers => {
+                    v.set_issuer(issuers);
+                    // Listed issuers are required: a token without `iss`
+                    // is none of them.
+                    v.set_required_spec_claims(&["exp", "iss"]);
+                }
             }
             match &settings.audience {
                 Some(aud) => v.set_audience(&[aud]),
@@ -138,7 +153,10 @@ impl JwtIdentity {
         Ok(JwtIdentity {
             header: settings.header.clone(),
             claim: settings.claim.clone(),
-            issuer: settings.issuer.clone().unwrap_or_default(),
+            only_issuer: match settings.issuers.as_slice() {
+                [only] => Some(only.clone()),
+                _ => None,
+            },
             keys,
         })
     }
@@ -174,13 +192,35 @@ impl JwtIdentity {
             Some(serde_json::Value::Number(n)) => n.to_string(),
             _ => return Err(invalid(&format!("no {:?} claim", self.claim))),
         };
-        Ok(self.scope_of_principal(&principal))
+        // A token without `iss` (accepted only when no issuer is
+        // required) is the empty issuer's.
+        let issuer = match data.claims.get("iss") {
+            None => "",
+            Some(serde_json::Value::String(iss)) => iss.as_str(),
+            Some(_) => return Err(invalid("its iss claim is not a string")),
+        };
+        Ok(scope_of(issuer, &principal))
     }
 
-    /// The scope of a principal (the claim's value).
-    pub fn scope_of_principal(&self, principal: &str) -> String {
-        hashed(JWT_CONTEXT, &[self.issuer.as_bytes(), principal.as_bytes()])
+    /// The claim naming the principal.
+    pub fn claim(&self) -> &str {
+        &self.claim
     }
+
+    /// The scope of a principal an operator names (`keys show --client`,
+    /// `?client=`): `ISSUER PRINCIPAL`, or the principal alone when exactly
+    /// one issuer is configured (or the tokens carry none).
+    pub fn scope_of_principal(&self, given: &str) -> String {
+        match given.trim().rsplit_once(char::is_whitespace) {
+            Some((issuer, principal)) => scope_of(issuer.trim(), principal),
+            None => scope_of(self.only_issuer.as_deref().unwrap_or(""), given.trim()),
+        }
+    }
+}
+
+/// The scope of the principal `claim` of `issuer`.
+fn scope_of(issuer: &str, claim: &str) -> String {
+    hashed(JWT_CONTEXT, &[issuer.as_bytes(), claim.as_bytes()])
 }
 
 #[cfg(test)]
@@ -209,7 +249,7 @@ mod tests {
             header: http::header::AUTHORIZATION,
             claim: "sub".into(),
             keys,
-            issuer: Some("https://auth.example".into()),
+            issuers: vec!["https://auth.example".into()],
             audience: Some("orders".into()),
             leeway: Duration::from_secs(30),
         }
@@ -317,6 +357,45 @@ mod tests {
         // With two keys a token must say which one.
         let unnamed = sign(Algorithm::ES256, None, &forger, &claims("alice", 300));
         assert!(identity.scope(&bearer(&unnamed)).is_err());
+    }
+
+    #[test]
+    fn the_same_claim_from_two_issuers_is_two_principals() {
+        let secret = JwtKeys::Hs256(vec![7u8; 32]);
+        let key = EncodingKey::from_secret(&[7u8; 32]);
+        let token = |iss: Option<&str>| {
+            let mut c = claims("alice", 300);
+            match iss {
+                Some(iss) => c["iss"] = json!(iss),
+                None => {
+                    c.as_object_mut().unwrap().remove("iss");
+                }
+            }
+            sign(Algorithm::HS256, None, &key, &c)
+        };
+        // No issuer required: any is accepted, and each is its own scope.
+        let mut open = settings(secret.clone());
+        open.issuers.clear();
+        let identity = JwtIdentity::new(&open).unwrap();
+        let scope = |iss| identity.scope(&bearer(&token(iss))).unwrap();
+        let (a, b) = (
+            scope(Some("https://a.example")),
+            scope(Some("https://b.example")),
+        );
+        assert_ne!(a, b, "tenant B's alice is not tenant A's");
+        assert_eq!(a, scope(Some("https://a.example")));
+        assert_ne!(scope(None), a);
+        // An operator names one as "ISSUER PRINCIPAL".
+        assert_eq!(identity.scope_of_principal("https://b.example alice"), b);
+        // Two issuers listed: both accepted, still apart; a third refused.
+        let mut two = settings(secret);
+        two.issuers = vec!["https://a.example".into(), "https://b.example".into()];
+        let identity = JwtIdentity::new(&two).unwrap();
+        let scope = |iss| identity.scope(&bearer(&token(iss)));
+        assert_eq!(scope(Some("https://a.example")).unwrap(), a);
+        assert_eq!(scope(Some("https://b.example")).unwrap(), b);
+        assert!(scope(Some("https://c.example")).is_err());
+        assert!(scope(None).is_err(), "an issuer is required");
     }
 
     #[test]

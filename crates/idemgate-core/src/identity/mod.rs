@@ -102,6 +102,17 @@ impl Identity {
         }
     }
 
+    /// What makes a scope, as text (`header:x-user-id`, `jwt:sub`): the
+    /// records a client-scoped route keeps are found only while this stays
+    /// the same (the gateway refuses a change while such records are live).
+    pub fn describe(&self) -> String {
+        match self {
+            Identity::Header(name) => format!("header:{name}"),
+            #[cfg(feature = "jwt")]
+            Identity::Jwt(jwt) => format!("jwt:{}", jwt.claim()),
+        }
+    }
+
     /// What `check-config` says about this source: `Some(advice)` when it
     /// is a credential that rotates (raw `Authorization`, `Cookie`).
     pub fn rotating_credential(&self) -> Option<&'static str> {

@@ -20,6 +20,9 @@ const DEFAULT_CLAIM_IDLE: &str = "30s";
 pub struct ConsumerConfig {
     /// Names the consumer in logs and metrics, and scopes its records.
     pub name: String,
+    /// The identity its records are kept under; default: `name` (keep it
+    /// to rename the consumer without losing its records).
+    pub id: Option<String>,
     /// `amqp://` / `amqps://` (RabbitMQ), `nats://` / `tls://` (JetStream)
     /// or `redis://` / `rediss://` (Redis Streams).
     pub source: String,
@@ -71,6 +74,11 @@ pub enum Broker {
 }
 
 impl ConsumerConfig {
+    /// The identity its records are kept under: `id`, or the name.
+    pub fn record_id(&self) -> &str {
+        self.id.as_deref().unwrap_or(&self.name)
+    }
+
     /// The broker `source` names, if its scheme is known.
     pub fn broker(&self) -> Option<Broker> {
         let scheme = self.source.split_once("://")?.0.to_ascii_lowercase();

@@ -102,7 +102,7 @@ impl IdentityConfig {
             header,
             claim: jwt.claim.clone(),
             keys,
-            issuer: jwt.issuer.clone(),
+            issuers: jwt.issuer_list(),
             audience: jwt.audience.clone(),
             leeway: jwt.leeway.get(),
         };

@@ -126,14 +126,15 @@ impl Plan {
         }
     }
 
-    /// The names of the token routes (`/token?route=` binds to one).
-    pub fn token_routes(&self) -> std::collections::BTreeSet<String> {
+    /// The token routes (`/token?route=NAME` binds to one), each name
+    /// with the identity its tokens are bound to.
+    pub fn token_routes(&self) -> std::collections::BTreeMap<String, String> {
         self.config
             .routes
             .iter()
             .zip(&self.routes)
             .filter(|(_, r)| matches!(r.policy, PolicyPlan::Token))
-            .map(|(c, _)| c.name.clone())
+            .map(|(c, _)| (c.name.clone(), c.record_id().to_owned()))
             .collect()
     }
 }

@@ -14,7 +14,7 @@
 use sha2::Digest;
 
 use super::Config;
-use crate::gateway::redact;
+use idemgate_core::error::redact_url as redact;
 
 /// What a secret left out reads as.
 const LEFT_OUT: &str = "<secret>";

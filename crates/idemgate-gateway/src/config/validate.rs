@@ -214,6 +214,20 @@ impl Config {
         {
             add("identity.jwt.leeway".into(), reason);
         }
+        if let Some(jwt) = &self.identity.jwt {
+            if jwt.issuer.is_some() && !jwt.issuers.is_empty() {
+                add(
+                    "identity.jwt.issuers".into(),
+                    "set identity.jwt.issuer or identity.jwt.issuers, not both".into(),
+                );
+            }
+            if jwt.issuer_list().iter().any(|i| i.trim().is_empty()) {
+                add(
+                    "identity.jwt.issuers".into(),
+                    "an issuer must not be empty".into(),
+                );
+            }
+        }
 
         if !self.tokens.secret.is_empty() && !self.tokens.secrets.is_empty() {
             add(
@@ -386,6 +400,7 @@ impl Config {
             }
             c.validate(&key, &upstream_names, &mut add);
         }
+        self.check_record_ids(&mut add);
         // Two entries on one queue would keep one message under two
         // records (the consumer's name scopes them): executed twice.
         let mut reads = std::collections::BTreeMap::new();
@@ -415,6 +430,57 @@ impl Config {
                 origin: origin.to_owned(),
                 problems,
             }),
+        }
+    }
+
+    /// Each route's and consumer's record identity (`id`, default its
+    /// name): one each, so that two never share records, and a plain
+    /// label (no `/`: the token records' own namespace is `/token`).
+    fn check_record_ids(&self, add: &mut dyn FnMut(String, String)) {
+        let mut seen: std::collections::BTreeMap<&str, (String, bool)> = Default::default();
+        let entries = self
+            .routes
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (format!("routes[{i}]"), r.id.is_some(), r.record_id()))
+            .chain(
+                self.consumers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (format!("consumers[{i}]"), c.id.is_some(), c.record_id())),
+            );
+        for (who, explicit, id) in entries {
+            let key = if explicit {
+                format!("{who}.id")
+            } else {
+                format!("{who}.name")
+            };
+            if explicit && id.trim().is_empty() {
+                add(key, "must not be empty".into());
+                continue;
+            }
+            if id.contains('/') || id.chars().any(char::is_control) || id.len() > 255 {
+                add(
+                    key,
+                    format!(
+                        "{id:?}: a record identity is at most 255 bytes, without '/' or control \
+                         characters"
+                    ),
+                );
+                continue;
+            }
+            // Two names alike are refused by name already.
+            if let Some((first, first_explicit)) = seen.insert(id, (who.clone(), explicit))
+                && (explicit || first_explicit)
+            {
+                add(
+                    key,
+                    format!(
+                        "{id:?} is also the record identity of {first}: the two would share \
+                         records (one request's answer replayed for the other's)"
+                    ),
+                );
+            }
         }
     }
 

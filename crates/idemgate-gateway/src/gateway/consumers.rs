@@ -68,6 +68,7 @@ pub(super) fn build(
             .map_err(fail)?;
         let settings = ConsumerSettings {
             name: c.name.as_str().into(),
+            records: c.record_id().into(),
             source,
             path: c
                 .path
@@ -104,7 +105,7 @@ pub(super) fn build(
                 body_budget: shared.body_budget.clone(),
                 answer_budget: shared.answer_budget.clone(),
                 // Never read: a message's records are the consumer's.
-                ..EngineSettings::new(&c.name, shared.identity.clone())
+                ..EngineSettings::new(c.record_id(), shared.identity.clone())
             },
             shared.metrics.clone(),
             shared.holders.clone(),

@@ -8,8 +8,6 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use std::collections::BTreeSet;
-
 use idemgate::idempotency::Holders;
 use idemgate::token::TokenKeys;
 use idemgate_core::budget::ClaimBudget;
@@ -25,6 +23,7 @@ use crate::config::{Config, Plan, RoutePlan};
 mod consumers;
 mod reload;
 mod routes;
+mod scopes;
 mod workers;
 
 /// Why the gateway could not start.
@@ -119,6 +118,17 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
     let (admin, admin_addr) = bind(&plan.config.server.admin_listen, "server.admin_listen").await?;
     let metrics = Arc::new(plan.config.metrics());
     let records = Records::open(&plan.config, &metrics).await?;
+    // Records keep their identity: a configuration that would put live
+    // records out of reach does not start.
+    let scopings = scopes::check(&records.store, &plan, "the configuration")
+        .await
+        .map_err(StartError::Config)?;
+    scopes::register(&records.store, &scopings)
+        .await
+        .map_err(|source| StartError::Store {
+            url: redact(&plan.config.store.database_url),
+            source,
+        })?;
     let threads = match plan.config.server.worker_threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
@@ -269,7 +279,8 @@ struct Shared {
     token_keys: Arc<TokenKeys>,
     /// No token secret was configured: a random one signs.
     random_secret: bool,
-    token_routes: BTreeSet<String>,
+    /// Each token route's name and the identity its tokens bind to.
+    token_routes: std::collections::BTreeMap<String, String>,
     workers: usize,
     /// Every claim this process holds, across workers.
     holders: Arc<Holders>,
@@ -358,6 +369,21 @@ fn admin_state(shared: &Shared, store: &Store) -> crate::admin::AdminState {
         reconcilers: Arc::new(routes::reconcilers(shared)),
         max_stored_body_bytes: shared.config.store.max_stored_body_bytes,
         answer_budget: shared.answer_budget.clone(),
+        record_ids: Arc::new(
+            shared
+                .config
+                .routes
+                .iter()
+                .map(|r| (r.name.clone(), r.record_id().to_owned()))
+                .chain(
+                    shared
+                        .config
+                        .consumers
+                        .iter()
+                        .map(|c| (c.name.clone(), c.record_id().to_owned())),
+                )
+                .collect(),
+        ),
     }
 }
 

@@ -67,6 +67,12 @@ impl RunningGateway {
             Ok(plan) => plan,
             Err(e) => return self.refused(&e.to_string()),
         };
+        // Records keep their identity (rule 12): no live record is moved
+        // out of reach by a rename, a removal or a new identity source.
+        let scopings = match super::scopes::check(&self.store, &plan, &origin).await {
+            Ok(scopings) => scopings,
+            Err(e) => return self.refused(&e.to_string()),
+        };
         let fingerprint = plan.config.fingerprint();
         let shared = Arc::new(self.shared.reloaded(plan));
         self.admin.replace(admin_state(&shared, &self.store));
@@ -90,6 +96,9 @@ impl RunningGateway {
         }
         // Every worker rebuilds its route table from this.
         let _ = self.tables.send(shared.clone());
+        if let Err(e) = super::scopes::register(&self.store, &scopings).await {
+            tracing::warn!(error = %e, layer = "reload", "the records' scopes could not be registered; the next start or reload checks against the previous ones");
+        }
         self.shared = shared;
         self.metrics.reloaded(true);
         self.metrics.set_config_hash(&fingerprint);

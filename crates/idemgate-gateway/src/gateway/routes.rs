@@ -87,7 +87,9 @@ fn route_service(
                 budget: shared.budget.clone(),
                 body_budget: shared.body_budget.clone(),
                 answer_budget: shared.answer_budget.clone(),
-                ..EngineSettings::new(&r.name, shared.identity.clone())
+                // Records are kept under the route's identity, which a
+                // rename may keep (`routes[].id`).
+                ..EngineSettings::new(r.record_id(), shared.identity.clone())
             },
             shared.metrics.clone(),
             shared.holders.clone(),
@@ -101,7 +103,7 @@ fn route_service(
         PolicyPlan::Token => Arc::new(TowerHandler(
             IdempotencyLayer::new(
                 engine(),
-                TokenPolicy::new(shared.token_keys.clone(), &r.name),
+                TokenPolicy::new(shared.token_keys.clone(), r.record_id()),
             )
             .layer(proxy),
         )),
@@ -124,8 +126,9 @@ fn token_route(shared: &Shared) -> Route {
                 shared.token_keys.clone(),
                 shared.config.tokens.ttl.get(),
                 shared.identity.clone(),
-                shared.token_routes.clone(),
+                Default::default(),
             )
+            .binding_ids(shared.token_routes.clone())
             .with_limit(shared.token_limit.clone()),
         )),
         counters: shared.metrics.route("token"),
@@ -133,8 +136,9 @@ fn token_route(shared: &Shared) -> Route {
     }
 }
 
-/// Each route with a `reconcile_path`, its status endpoint on the calling
-/// runtime (the admin listener's), and its upstream's timeout.
+/// Each route with a `reconcile_path`, by its record identity (what an
+/// uncertain record names): its status endpoint on the calling runtime
+/// (the admin listener's), and its upstream's timeout.
 pub(super) fn reconcilers(shared: &Shared) -> crate::admin::Reconcilers {
     shared
         .config
@@ -150,7 +154,7 @@ pub(super) fn reconcilers(shared: &Shared) -> crate::admin::Reconcilers {
                 shared.metrics.upstream(&r.upstream),
             );
             let endpoint = Arc::new(StatusEndpoint::new(proxy, path)) as Arc<dyn Reconcile>;
-            Some((r.name.clone(), (endpoint, upstream.timeout)))
+            Some((r.record_id().to_owned(), (endpoint, upstream.timeout)))
         })
         .collect()
 }

@@ -1,6 +1,6 @@
 //! `POST /token` and `GET /token`: issue a one-time token.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -24,7 +24,9 @@ pub struct TokenEndpoint {
     keys: Arc<TokenKeys>,
     ttl: Duration,
     identity: Identity,
-    token_routes: Arc<BTreeSet<String>>,
+    /// Each token route's name (`?route=`), and the identity its records
+    /// and tokens are bound to (the name, unless the route keeps another).
+    token_routes: Arc<BTreeMap<String, String>>,
     limit: Option<Arc<super::IssueLimit>>,
 }
 
@@ -47,9 +49,18 @@ impl TokenEndpoint {
             keys,
             ttl,
             identity,
-            token_routes: Arc::new(token_routes),
+            token_routes: Arc::new(token_routes.into_iter().map(|r| (r.clone(), r)).collect()),
             limit: None,
         }
+    }
+
+    /// Binds each token route's tokens to the identity its records keep
+    /// (`routes[].id` in the gateway) rather than to its name: a route
+    /// renamed with its identity kept still accepts the tokens issued for
+    /// it. `ids` maps each name `?route=` may give to that identity.
+    pub fn binding_ids(mut self, ids: BTreeMap<String, String>) -> Self {
+        self.token_routes = Arc::new(ids);
+        self
     }
 
     /// Limits how many tokens one principal is issued per minute.
@@ -73,20 +84,24 @@ impl TokenEndpoint {
                 .find(|(k, _)| k == "route")
                 .map(|(_, v)| v.into_owned())
         });
-        if let Some(route) = &route
-            && !self.token_routes.contains(route)
-        {
-            return Problem::new(Reason::UnknownTokenRoute)
-                .detail(format!(
-                    "?route= names a route with idempotency = \"token\" (known: {})",
-                    self.token_routes
-                        .iter()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))
-                .into_response();
-        }
+        let route = match route {
+            None => None,
+            Some(name) => match self.token_routes.get(&name) {
+                Some(id) => Some(id.clone()),
+                None => {
+                    return Problem::new(Reason::UnknownTokenRoute)
+                        .detail(format!(
+                            "?route= names a route with idempotency = \"token\" (known: {})",
+                            self.token_routes
+                                .keys()
+                                .cloned()
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ))
+                        .into_response();
+                }
+            },
+        };
         // The token binds the principal, not the credential's bytes: a
         // refreshed credential still uses the token.
         let scope = match self.identity.scope(req.headers()) {

@@ -1,0 +1,168 @@
+//! What scoped the records under each route identity (docs/semantics.md,
+//! rule 12): the registry `idempotency_scopes`
+//! (`migrations/*/…_scopes.sql`).
+//!
+//! A record is found by (client scope, route identity, key). Change what
+//! makes any of the three — the identity source, a callback's business-key
+//! sources, the route's identity itself (a rename without `id`, a route
+//! removed) — and every live or retained record of that route is out of
+//! reach: a retry of a request answered a second ago executes again, a
+//! request still running gets a second copy beside it. So each
+//! configuration says, per record namespace, what scopes it
+//! ([`Scoping`]); before one runs (a start, a reload) it is compared with
+//! what the registry says the records were written under, and every
+//! namespace it would orphan while records under it are live is reported
+//! with their count ([`Orphaned`]). Only a configuration with none is
+//! registered.
+
+use std::collections::BTreeMap;
+use std::sync::LazyLock;
+
+use sqlx::Row;
+
+use super::super::statements::millis;
+use super::{Pool, SqlStore};
+use crate::StoreError;
+
+/// What a configuration says of one record namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scoping {
+    /// The namespace its records sit under (the route column): the route's
+    /// identity, or `/token` for every token route.
+    pub records: String,
+    /// What makes its record keys, as text (`key;identity=header:x-user-id`).
+    pub scope: String,
+}
+
+/// A namespace a configuration would put out of reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Orphaned {
+    /// The namespace's name in the registry (a route's or consumer's id).
+    pub route: String,
+    /// What scoped its records.
+    pub was: String,
+    /// What the configuration would scope them by (`None`: nothing keeps
+    /// them — the route was removed, renamed without `id`, or is no longer
+    /// protected).
+    pub now: Option<String>,
+    /// Its records still live or retained (within retention, tombstone or
+    /// a lease).
+    pub live: u64,
+    /// When the last of them is forgotten (ms since the Unix epoch, by the
+    /// database's clock).
+    pub until_ms: i64,
+}
+
+/// The statements, with the database's clock (`{now}`) filled in.
+struct Statements {
+    select: &'static str,
+    upsert: String,
+    delete: &'static str,
+    live: String,
+}
+
+#[cfg(feature = "postgres")]
+static POSTGRES: LazyLock<Statements> =
+    LazyLock::new(|| statements(super::super::statements::PG_NOW));
+#[cfg(feature = "sqlite")]
+static SQLITE: LazyLock<Statements> =
+    LazyLock::new(|| statements(super::super::statements::SQLITE_NOW));
+
+fn statements(now: &str) -> Statements {
+    Statements {
+        select: "SELECT route, records, scope FROM idempotency_scopes",
+        upsert: "INSERT INTO idempotency_scopes (route, records, scope, updated_at) \
+             VALUES ($1, $2, $3, {now}) \
+             ON CONFLICT (route) DO UPDATE SET records = $2, scope = $3, updated_at = {now}"
+            .replace("{now}", now),
+        delete: "DELETE FROM idempotency_scopes WHERE route = $1",
+        // Live: within retention or tombstone (`$2` ms), or held. The
+        // route leads the record table's primary key.
+        live: "SELECT COUNT(*), COALESCE(MAX(CASE WHEN lease_until > expires_at + $2 \
+               THEN lease_until ELSE expires_at + $2 END), 0) \
+             FROM idempotency_records WHERE route = $1 AND (expires_at + $2 > {now} \
+               OR (state IN ('in_flight', 'uncertain') AND lease_until > {now}))"
+            .replace("{now}", now),
+    }
+}
+
+impl SqlStore {
+    fn scope_statements(&self) -> &'static Statements {
+        match self.pool {
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(_) => &POSTGRES,
+            #[cfg(feature = "sqlite")]
+            Pool::Sqlite(_) => &SQLITE,
+        }
+    }
+
+    /// The registry: each namespace, where its records are, what scoped
+    /// them.
+    async fn registered(&self) -> Result<Vec<(String, String, String)>, sqlx::Error> {
+        let s = self.scope_statements();
+        with_pool!(self, pool => sqlx::query(s.select).fetch_all(pool).await?
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .collect())
+    }
+
+    /// Every namespace the registry knows that `planned` would drop or
+    /// scope otherwise while records under it are live, with their count.
+    /// Empty: `planned` may run.
+    pub async fn orphaned_by(
+        &self,
+        planned: &BTreeMap<String, Scoping>,
+    ) -> Result<Vec<Orphaned>, StoreError> {
+        let s = self.scope_statements();
+        let registered = self.bounded("scopes", self.registered()).await?;
+        let tombstone = millis(self.tombstone);
+        let mut orphaned = Vec::new();
+        for (route, records, was) in registered {
+            let now = planned.get(&route);
+            if now.is_some_and(|n| n.records == records && n.scope == was) {
+                continue;
+            }
+            let (live, until_ms): (i64, i64) = self
+                .bounded("scopes", async {
+                    with_pool!(self, pool => sqlx::query(s.live.as_str())
+                        .bind(&records).bind(tombstone)
+                        .fetch_one(pool).await
+                        .and_then(|r| Ok((r.try_get(0)?, r.try_get(1)?))))
+                })
+                .await?;
+            if live > 0 {
+                orphaned.push(Orphaned {
+                    route,
+                    was,
+                    now: now.map(|n| n.scope.clone()),
+                    live: live as u64,
+                    until_ms,
+                });
+            }
+        }
+        Ok(orphaned)
+    }
+
+    /// Records `planned` as what the records are written under from now on,
+    /// and forgets the namespaces it drops (call it once
+    /// [`Self::orphaned_by`] found nothing).
+    pub async fn register_scopes(
+        &self,
+        planned: &BTreeMap<String, Scoping>,
+    ) -> Result<(), StoreError> {
+        let s = self.scope_statements();
+        self.bounded("scopes", async {
+            let registered = self.registered().await?;
+            for (gone, ..) in registered.iter().filter(|(r, ..)| !planned.contains_key(r)) {
+                with_pool!(self, pool => sqlx::query(s.delete).bind(gone).execute(pool).await.map(drop))?;
+            }
+            for (route, scoping) in planned {
+                with_pool!(self, pool => sqlx::query(s.upsert.as_str())
+                    .bind(route).bind(&scoping.records).bind(&scoping.scope)
+                    .execute(pool).await.map(drop))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+}
