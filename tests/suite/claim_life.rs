@@ -84,7 +84,7 @@ impl Backend {
         c.store.lease = lease.into();
         c.store.timeout = store_timeout.into();
         c.upstreams[0].timeout = upstream_timeout.into();
-        idemgate_gateway::gateway::start(c).await.unwrap()
+        idemgate_gateway::gateway::start_for_tests(c).await.unwrap()
     }
 
     /// Holds the records table locked (writes block) until the returned

@@ -136,13 +136,14 @@ fn unknown_keys_are_refused_with_the_key_name() {
 async fn sigterm_finishes_the_in_flight_request_then_exits() {
     let upstream = idemgate_demo_upstream::start("127.0.0.1:0").await.unwrap();
     let listen = format!("127.0.0.1:{}", support::dead_port());
+    let db = tempfile::tempdir().unwrap();
     let file = write_config(&format!(
         r#"
         [server]
         listen = "{listen}"
         admin_listen = "127.0.0.1:0"
         [store]
-        database_url = "sqlite::memory:"
+        database_url = "sqlite://{}/records.db"
         [[upstreams]]
         name = "demo"
         url = "http://{}"
@@ -151,6 +152,7 @@ async fn sigterm_finishes_the_in_flight_request_then_exits() {
         path_prefix = "/"
         upstream = "demo"
         "#,
+        db.path().display(),
         upstream.addr
     ));
     let mut child = idemgate()
@@ -500,5 +502,37 @@ fn the_problem_catalogue_lists_every_reason_with_its_status() {
             Reason::ALL.iter().any(|r| r.slug() == slug),
             "docs/problems.md lists {status} {slug}, which the code never answers"
         );
+    }
+}
+
+/// "Durable" is a property of the store, checked: a database that dies
+/// with the process is refused by `check-config` and `serve`, in each of
+/// its spellings, naming the key — after a restart every retry would
+/// execute again. (Before, `sqlite::memory:` passed and served.)
+#[test]
+fn an_in_memory_store_is_refused_by_check_config_and_serve() {
+    for url in [
+        "sqlite::memory:",
+        "sqlite://:memory:",
+        "sqlite://records.db?mode=memory",
+        "sqlite://records.db?cache=shared&mode=memory",
+    ] {
+        let file = write_config(&format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+             [store]\ndatabase_url = \"{url}\"\n"
+        ));
+        for command in ["check-config", "serve"] {
+            let out = idemgate()
+                .args([command, "--config"])
+                .arg(file.path())
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{url} {command}: {stderr}");
+            assert!(
+                stderr.contains("store.database_url") && stderr.contains("in-memory"),
+                "{url} {command}: {stderr}"
+            );
+        }
     }
 }

@@ -391,7 +391,9 @@ async fn two_gateways_consuming_one_queue_execute_each_message_once() {
     // sees every execution.
     let mut config = support::config(one.upstream.addr, &consumer);
     config.store.database_url = db.clone();
-    let two = idemgate_gateway::gateway::start(config).await.unwrap();
+    let two = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     // 100 messages, each published twice: 200 deliveries over two
     // consumers with their own prefetch windows.
     for round in 0..2 {
@@ -843,7 +845,7 @@ async fn a_failing_message_gets_max_deliveries_attempts_across_instances_and_a_r
     let another = || {
         let mut config = support::config(one.upstream.addr, &consumer);
         config.store.database_url = db.clone();
-        idemgate_gateway::gateway::start(config)
+        idemgate_gateway::gateway::start_for_tests(config)
     };
     let two = another().await.unwrap();
     queue.publish(Some("fails-1"), b"{}", &[]).await;
@@ -1311,7 +1313,9 @@ async fn redis_streams_two_gateways_in_one_group_execute_each_order_once() {
     let one = Stack::start_with(&consumer, |c| c.store.database_url = db.clone()).await;
     let mut config = support::config(one.upstream.addr, &consumer);
     config.store.database_url = db.clone();
-    let two = idemgate_gateway::gateway::start(config).await.unwrap();
+    let two = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     for _ in 0..2 {
         for i in 0..100 {

@@ -377,7 +377,7 @@ async fn on_file(
     let mut c = support::config(upstream, ACTIONS);
     c.store.database_url = format!("sqlite://{}/records.db", dir.display());
     c.store.retention = retention.into();
-    idemgate_gateway::gateway::start(c).await.unwrap()
+    idemgate_gateway::gateway::start_for_tests(c).await.unwrap()
 }
 
 async fn act(

@@ -108,7 +108,9 @@ async fn two_instances_sharing_redis_and_postgres_execute_a_split_storm_once() {
     config.store.database_url = db;
     config.store.redis_url = redis;
     config.store.redis_prefix = prefix;
-    let second = idemgate_gateway::gateway::start(config).await.unwrap();
+    let second = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     let urls = [
         stack.url("/actions/split"),
         format!("http://{}/actions/split", second.public_addr),

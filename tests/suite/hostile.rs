@@ -268,7 +268,7 @@ async fn keys_are_logged_by_prefix_and_hash_never_raw() {
             listen = "{listen}"
             admin_listen = "127.0.0.1:0"
             [store]
-            database_url = "sqlite::memory:"
+            database_url = "sqlite://{}/records.db"
             [[upstreams]]
             name = "demo"
             url = "http://{}"
@@ -281,6 +281,7 @@ async fn keys_are_logged_by_prefix_and_hash_never_raw() {
             business_key = ["json:/id"]
             must_match = ["json:/n"]
             "#,
+            dir.path().display(),
             upstream.addr
         ),
     )

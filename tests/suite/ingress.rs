@@ -297,7 +297,9 @@ async fn a_consumed_message_behind_nginx_is_never_forwarded_beside_its_first_cop
     let mut config = support::config(nginx.addr, &consumer);
     config.upstreams[0].timeout = "4s".into();
     config.store.lease = "10s".into();
-    let gateway = idemgate_gateway::gateway::start(config).await.unwrap();
+    let gateway = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     let http = Http::http1();
     // The first delivery takes 3 s at the service; nginx gives up at 1 s.
     let armed = http

@@ -465,7 +465,9 @@ async fn refused_connection_is_502_and_released() {
     let upstream = idemgate_demo_upstream::start("127.0.0.1:0").await.unwrap();
     let mut config = support::config(upstream.addr, &key_route(""));
     config.upstreams[0].url = format!("http://127.0.0.1:{}", support::dead_port());
-    let gateway = idemgate_gateway::gateway::start(config).await.unwrap();
+    let gateway = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     let http = Http::default();
     let a = http
         .send(
@@ -722,7 +724,9 @@ async fn network_faults_between_gateway_and_upstream() {
     let mut config = support::config(upstream.addr, &key_route(""));
     config.upstreams[0].url = format!("http://127.0.0.1:{}", proxy.port);
     config.upstreams[0].timeout = "500ms".into();
-    let gateway = idemgate_gateway::gateway::start(config).await.unwrap();
+    let gateway = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     let http = Http::default();
     let url = format!("http://{}/orders", gateway.public_addr);
     let send = |key: &'static str| {

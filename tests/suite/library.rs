@@ -11,6 +11,8 @@ use support::Http;
 use tokio::io::AsyncWriteExt;
 
 struct Example {
+    /// Its database file's directory.
+    _dir: tempfile::TempDir,
     child: std::process::Child,
     base: String,
 }
@@ -49,8 +51,13 @@ fn start_example() -> Example {
     let exe = std::env::current_exe().unwrap();
     let debug = exe.parent().and_then(|deps| deps.parent()).unwrap();
     let binary = example_binary(&debug.join("examples"));
+    let dir = tempfile::tempdir().unwrap();
     let mut child = std::process::Command::new(binary)
         .arg("127.0.0.1:0")
+        .env(
+            "ORDERS_DATABASE_URL",
+            format!("sqlite://{}/orders.db", dir.path().display()),
+        )
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -60,6 +67,7 @@ fn start_example() -> Example {
         .unwrap();
     let addr = line.trim().rsplit(' ').next().unwrap().to_owned();
     Example {
+        _dir: dir,
         child,
         base: format!("http://{addr}"),
     }
@@ -466,7 +474,7 @@ async fn a_purge_from_the_cli_reaches_a_library_apps_memory() {
 #[tokio::test]
 async fn library_answers_name_their_request_and_say_what_timed_out() {
     let idempotency = Idempotency::builder()
-        .database_url("sqlite::memory:")
+        .in_memory_for_tests()
         .handler_deadline(Duration::from_millis(300))
         .on_concurrent(OnConcurrent::Wait)
         .build()
@@ -564,7 +572,7 @@ async fn a_library_callback_checks_its_signature_before_anything_is_stored() {
     use idemgate::CallbackError;
     let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
     let idempotency = Idempotency::builder()
-        .database_url("sqlite::memory:")
+        .in_memory_for_tests()
         .build()
         .await
         .unwrap();
@@ -637,4 +645,24 @@ async fn a_library_callback_checks_its_signature_before_anything_is_stored() {
         assert_eq!(signed.status(), StatusCode::CREATED);
     }
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// The library refuses a store that dies with the process unless the
+/// builder is told it is for tests.
+#[tokio::test]
+async fn an_in_memory_store_needs_the_builder_call_that_says_it_is_for_tests() {
+    for url in ["sqlite::memory:", "sqlite://x.db?mode=memory"] {
+        let refused = Idempotency::builder().database_url(url).build().await;
+        let Err(e) = refused else {
+            panic!("{url} was accepted");
+        };
+        assert!(e.to_string().contains("in-memory"), "{e}");
+    }
+    assert!(
+        Idempotency::builder()
+            .in_memory_for_tests()
+            .build()
+            .await
+            .is_ok()
+    );
 }

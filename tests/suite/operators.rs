@@ -318,13 +318,14 @@ async fn the_admin_api_asks_who_is_calling() {
 #[test]
 fn a_reachable_admin_listener_without_a_token_is_refused() {
     let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().display().to_string();
     let write = |name: &str, token: &str| {
         let path = dir.path().join(name);
         std::fs::write(
             &path,
             format!(
                 "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"0.0.0.0:0\"\n{token}\n\
-                 [store]\ndatabase_url = \"sqlite::memory:\"\n\
+                 [store]\ndatabase_url = \"sqlite://{db}/records.db\"\n\
                  [[upstreams]]\nname = \"o\"\nurl = \"http://127.0.0.1:9\"\n\
                  [[routes]]\nname = \"all\"\npath_prefix = \"/\"\nupstream = \"o\"\n"
             ),

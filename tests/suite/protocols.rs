@@ -153,7 +153,9 @@ async fn https_pair(
     if let Some(url) = database_url {
         config.store.database_url = url;
     }
-    let gateway = idemgate_gateway::gateway::start(config).await.unwrap();
+    let gateway = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     Stack {
         upstream,
         gateway,

@@ -198,7 +198,9 @@ async fn upstream_down_is_502_and_slow_upstream_is_504() {
     let upstream = idemgate_demo_upstream::start("127.0.0.1:0").await.unwrap();
     let mut config = support::config(upstream.addr, PASS_THROUGH);
     config.upstreams[0].url = format!("http://127.0.0.1:{}", dead_port());
-    let gateway = idemgate_gateway::gateway::start(config).await.unwrap();
+    let gateway = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     let http = Http::default();
     let a = http
         .get(&format!("http://{}/echo", gateway.public_addr))
@@ -380,7 +382,7 @@ async fn a_second_gateway_on_a_taken_port_refuses_to_start() {
     let stack = Stack::start(PASS_THROUGH).await;
     let mut config = support::config(stack.upstream.addr, PASS_THROUGH);
     config.server.listen = stack.gateway.public_addr.to_string();
-    match idemgate_gateway::gateway::start(config).await {
+    match idemgate_gateway::gateway::start_for_tests(config).await {
         Err(e @ idemgate_gateway::gateway::StartError::Bind { .. }) => {
             assert!(e.to_string().contains("server.listen"), "{e}");
         }

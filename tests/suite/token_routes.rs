@@ -205,7 +205,9 @@ async fn configured_secret_makes_tokens_work_across_instances() {
     let stack = Stack::start_with(ROUTES, |c| c.tokens.secret = "shared-secret".into()).await;
     let mut config = support::config(stack.upstream.addr, ROUTES);
     config.tokens.secret = "shared-secret".into();
-    let second = idemgate_gateway::gateway::start(config).await.unwrap();
+    let second = idemgate_gateway::gateway::start_for_tests(config)
+        .await
+        .unwrap();
     let t = fetch(&stack, "").await;
     let a = stack
         .http

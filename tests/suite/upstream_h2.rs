@@ -170,7 +170,7 @@ async fn gateway_for(upstream: &H2Upstream) -> gateway::RunningGateway {
     let mut config = config(upstream.addr, KEYED);
     config.server.worker_threads = 1;
     config.upstreams[0].http2 = true;
-    gateway::start(config).await.unwrap()
+    gateway::start_for_tests(config).await.unwrap()
 }
 
 async fn post(http: &Http, gw: &gateway::RunningGateway, key: &str) -> support::Answer {
@@ -390,7 +390,7 @@ async fn past_100_concurrent_streams_a_second_connection_carries_the_rest() {
     config.server.worker_threads = 1;
     config.upstreams[0].http2 = true;
     config.upstreams[0].timeout = "5s".into();
-    let gw = gateway::start(config).await.unwrap();
+    let gw = gateway::start_for_tests(config).await.unwrap();
     let http = Http::default();
     let url = format!("http://{}/actions/x", gw.public_addr);
     // The warm-up opens the shared connection, so the burst finds one

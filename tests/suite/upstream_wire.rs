@@ -198,7 +198,7 @@ async fn gateway_with(
     let mut config = config(upstream.addr, routes);
     config.server.worker_threads = 1; // one pool, so reuse is countable
     tweak(&mut config);
-    gateway::start(config).await.unwrap()
+    gateway::start_for_tests(config).await.unwrap()
 }
 
 /// Key routes for uploads and pass-through for everything else.

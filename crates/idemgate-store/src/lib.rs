@@ -307,6 +307,11 @@ pub struct StoreOptions {
     pub memory_layer_bytes: usize,
     /// How often the sweeper runs (Postgres sizes its partitions by it).
     pub sweep_interval: Duration,
+    /// For tests only: accept a database that lives and dies with the
+    /// process (`sqlite::memory:`, `mode=memory`). Refused otherwise: every
+    /// record would vanish with a restart, and every retry after it would
+    /// execute again.
+    pub in_memory_for_tests: bool,
 }
 
 impl Default for StoreOptions {
@@ -324,8 +329,36 @@ impl Default for StoreOptions {
             fast_layer_budget: DEFAULT_FAST_LAYER_BUDGET,
             memory_layer_bytes: memory::DEFAULT_MAX_BYTES,
             sweep_interval: DEFAULT_SWEEP_INTERVAL,
+            in_memory_for_tests: false,
         }
     }
+}
+
+/// Whether `database_url` names a database that dies with the process: an
+/// in-memory SQLite database (`sqlite::memory:`, `sqlite://:memory:`, an
+/// empty path, or `mode=memory`), whose records a restart forgets.
+pub fn is_in_memory(database_url: &str) -> bool {
+    let Some(rest) = database_url.strip_prefix("sqlite:") else {
+        return false;
+    };
+    let rest = rest.strip_prefix("//").unwrap_or(rest);
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    path.is_empty()
+        || path == ":memory:"
+        || path.starts_with("file::memory:")
+        || query
+            .split('&')
+            .any(|pair| pair.eq_ignore_ascii_case("mode=memory"))
+}
+
+/// Why an in-memory database is refused, naming the URL's key.
+pub fn in_memory_refusal(key: &str, database_url: &str) -> String {
+    format!(
+        "{key} = {database_url:?} is an in-memory database: every record dies with the process, \
+         so after a restart every retry executes again; use sqlite://PATH (a file) or \
+         postgres://… (in-memory stores are for tests, by the library builder's \
+         in_memory_for_tests())"
+    )
 }
 
 /// The store the options ask for, with its migrations applied, plus the
@@ -336,6 +369,12 @@ pub async fn open(
     config: &StoreOptions,
     metrics: Arc<idemgate_core::metrics::Metrics>,
 ) -> Result<(Store, Arc<memory::MemoryLayer>), StoreError> {
+    if is_in_memory(&config.database_url) && !config.in_memory_for_tests {
+        return Err(StoreError::Unavailable {
+            op: "connect",
+            cause: in_memory_refusal("the database URL", &config.database_url),
+        });
+    }
     let sql = sql::SqlStore::connect(&sql_settings(config, config.pool_size)).await?;
     sql.migrate().await?;
     // The in-process layer is the fast layer, or, with Redis, holds this
@@ -503,5 +542,51 @@ impl From<&StoreError> for idemgate_core::error::Problem {
             .detail("the request was not forwarded; retry later with the same key")
             .retry_after(1)
             .logged("store", e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_memory_databases_are_told_from_files() {
+        for url in [
+            "sqlite::memory:",
+            "sqlite://:memory:",
+            "sqlite:",
+            "sqlite://",
+            "sqlite://x.db?mode=memory",
+            "sqlite:x.db?cache=shared&mode=memory",
+            "sqlite::memory:?cache=shared",
+            "sqlite://file::memory:",
+        ] {
+            assert!(is_in_memory(url), "{url}");
+        }
+        for url in [
+            "sqlite://data/idemgate.db",
+            "sqlite:records.db",
+            "sqlite:///tmp/x.db?mode=rwc",
+            "postgres://u@h/db",
+            "mysql://u@h/db",
+        ] {
+            assert!(!is_in_memory(url), "{url}");
+        }
+    }
+
+    #[tokio::test]
+    async fn opening_an_in_memory_store_is_refused_unless_for_tests() {
+        let metrics = Arc::new(idemgate_core::metrics::Metrics::default());
+        let options = StoreOptions {
+            database_url: "sqlite::memory:".into(),
+            ..StoreOptions::default()
+        };
+        let refused = open(&options, metrics.clone()).await;
+        assert!(refused.is_err_and(|e| e.to_string().contains("in-memory")));
+        let allowed = StoreOptions {
+            in_memory_for_tests: true,
+            ..options
+        };
+        assert!(open(&allowed, metrics).await.is_ok());
     }
 }

@@ -97,8 +97,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "127.0.0.1:3000".into());
+    // A file: the records must outlive the process, or a retry after a
+    // restart would execute again.
     let database_url =
-        std::env::var("ORDERS_DATABASE_URL").unwrap_or_else(|_| "sqlite::memory:".into());
+        std::env::var("ORDERS_DATABASE_URL").unwrap_or_else(|_| "sqlite://data/orders.db".into());
     let idempotency = Idempotency::builder()
         .database_url(database_url)
         .handler_deadline(Duration::from_secs(5))

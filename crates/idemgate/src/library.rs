@@ -13,7 +13,7 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let idempotency = idemgate::Idempotency::builder()
-//!     .database_url("sqlite::memory:") // or sqlite://PATH, postgres://…
+//!     .in_memory_for_tests() // in production: .database_url("sqlite://PATH" or "postgres://…")
 //!     .build()
 //!     .await?;
 //! let app = Router::new()
@@ -101,9 +101,12 @@ pub struct Builder {
 }
 
 impl Builder {
-    /// `sqlite://PATH`, `sqlite::memory:` or `postgres://…` (default:
+    /// `sqlite://PATH` or `postgres://…` (default:
     /// `sqlite://data/idemgate.db`). Each needs its cargo feature (`sqlite`,
-    /// the default, or `postgres`).
+    /// the default, or `postgres`). A database that dies with the process
+    /// (`sqlite::memory:`, `mode=memory`) is refused by [`Self::build`]: its
+    /// records would vanish with a restart and every retry after it would
+    /// execute again — tests say so with [`Self::in_memory_for_tests`].
     pub fn database_url(mut self, url: impl Into<String>) -> Self {
         self.store.database_url = url.into();
         self
@@ -195,6 +198,15 @@ impl Builder {
     /// How long a `/token` token can be used (default 10 min).
     pub fn token_ttl(mut self, ttl: Duration) -> Self {
         self.token_ttl = ttl;
+        self
+    }
+
+    /// An in-memory SQLite store, for tests only: every record dies with
+    /// the process, so a restarted application executes every retry
+    /// again. Never a default, and refused when given as a URL.
+    pub fn in_memory_for_tests(mut self) -> Self {
+        self.store.database_url = "sqlite::memory:".into();
+        self.store.in_memory_for_tests = true;
         self
     }
 
@@ -536,11 +548,7 @@ mod tests {
     use super::*;
 
     async fn in_memory(builder: Builder) -> Idempotency {
-        builder
-            .database_url("sqlite::memory:")
-            .build()
-            .await
-            .unwrap()
+        builder.in_memory_for_tests().build().await.unwrap()
     }
 
     #[tokio::test]

@@ -200,7 +200,11 @@ pub fn config(upstream: SocketAddr, extra: &str) -> Config {
         "#
     );
     let mut config = Config::parse(&text, "test").unwrap();
-    config.validate("test").unwrap();
+    // Validated as a file would be, on a durable store (an in-memory one
+    // is for tests only: `gateway::start_for_tests`).
+    let mut checked = config.clone();
+    checked.store.database_url = "sqlite://checked.db".into();
+    checked.validate("test").unwrap();
     config.server.listen = "127.0.0.1:0".into();
     config
 }
@@ -229,7 +233,7 @@ impl Stack {
         let upstream = demo_upstream::start("127.0.0.1:0").await.unwrap();
         let mut config = config(upstream.addr, routes);
         tweak(&mut config);
-        let gateway = gateway::start(config).await.unwrap();
+        let gateway = gateway::start_for_tests(config).await.unwrap();
         Stack {
             upstream,
             gateway,

@@ -33,6 +33,7 @@ impl StoreConfig {
             fast_layer_budget: self.fast_layer_budget.get(),
             memory_layer_bytes: self.memory_layer_bytes,
             sweep_interval: self.sweep_interval.get(),
+            in_memory_for_tests: false,
         }
     }
 }

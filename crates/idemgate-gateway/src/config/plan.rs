@@ -30,6 +30,10 @@ pub struct Plan {
     pub cors: Option<CorsPolicy>,
     /// The admin API's bearer token (`None`: open, on loopback only).
     pub admin_token: Option<AdminToken>,
+    /// Tests only: the store may be an in-memory database (refused
+    /// otherwise, when the store is opened; validation refuses it in a
+    /// file).
+    pub in_memory_store_for_tests: bool,
 }
 
 /// The admin API's bearer token, compared in constant time.
@@ -159,6 +163,7 @@ impl Loaded {
             routes: self.routes,
             cors: self.cors,
             admin_token: self.admin_token,
+            in_memory_store_for_tests: false,
         }
     }
 }

@@ -182,6 +182,12 @@ impl Config {
             );
         }
         let db = &self.store.database_url;
+        if idemgate_store::is_in_memory(db) {
+            add(
+                "store.database_url".into(),
+                idemgate_store::in_memory_refusal("store.database_url", db),
+            );
+        }
         if !(db.starts_with("sqlite:")
             || db.starts_with("postgres://")
             || db.starts_with("postgresql://"))

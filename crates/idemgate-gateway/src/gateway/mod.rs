@@ -100,6 +100,14 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
     start_plan(Plan::load(config).map_err(StartError::Config)?).await
 }
 
+/// [`start`], for tests: the store may be an in-memory database
+/// (`sqlite::memory:`), which a real start refuses.
+pub async fn start_for_tests(config: Config) -> Result<RunningGateway, StartError> {
+    let mut plan = Plan::load(config).map_err(StartError::Config)?;
+    plan.in_memory_store_for_tests = true;
+    start_plan(plan).await
+}
+
 /// Starts the gateway on the listeners the plan names, in phases: the
 /// admin listener, the store, the shared state, the public listener's
 /// workers, the consumers, and the admin routes.
@@ -117,7 +125,7 @@ pub async fn start(config: Config) -> Result<RunningGateway, StartError> {
 pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
     let (admin, admin_addr) = bind(&plan.config.server.admin_listen, "server.admin_listen").await?;
     let metrics = Arc::new(plan.config.metrics());
-    let records = Records::open(&plan.config, &metrics).await?;
+    let records = Records::open(&plan.config, plan.in_memory_store_for_tests, &metrics).await?;
     // Records keep their identity: a configuration that would put live
     // records out of reach does not start.
     let scopings = scopes::check(&records.store, &plan, "the configuration")
@@ -230,8 +238,16 @@ struct Records {
 }
 
 impl Records {
-    async fn open(config: &Config, metrics: &Arc<Metrics>) -> Result<Records, StartError> {
-        let (store, memory) = idemgate_store::open(&config.store.options(), metrics.clone())
+    async fn open(
+        config: &Config,
+        in_memory_for_tests: bool,
+        metrics: &Arc<Metrics>,
+    ) -> Result<Records, StartError> {
+        let options = idemgate_store::StoreOptions {
+            in_memory_for_tests,
+            ..config.store.options()
+        };
+        let (store, memory) = idemgate_store::open(&options, metrics.clone())
             .await
             .map_err(|source| StartError::Store {
                 url: redact(&config.store.database_url),
@@ -318,6 +334,7 @@ impl Shared {
             routes,
             cors,
             admin_token,
+            in_memory_store_for_tests: _,
         } = plan;
         let (token_keys, random_secret) = TokenKeys::rotating(&config.tokens.secret_list());
         let upstreams = upstreams

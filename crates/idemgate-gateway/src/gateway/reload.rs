@@ -203,6 +203,7 @@ impl Shared {
             routes,
             cors,
             admin_token,
+            in_memory_store_for_tests: _,
         } = plan;
         let (token_keys, random_secret) =
             match idemgate::token::TokenKeys::rotating(&config.tokens.secret_list()) {

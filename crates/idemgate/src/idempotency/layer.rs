@@ -147,6 +147,7 @@ mod tests {
     async fn layer(on_concurrent: OnConcurrent) -> IdempotencyLayer<KeyPolicy> {
         let options = StoreOptions {
             database_url: "sqlite::memory:".into(),
+            in_memory_for_tests: true,
             ..StoreOptions::default()
         };
         let metrics = Arc::new(Metrics::default());
