@@ -530,6 +530,11 @@ async fn library_answers_name_their_request_and_say_what_timed_out() {
     let late = app.clone().oneshot(post("w-3", "1000")).await.unwrap();
     assert_eq!(late.status(), StatusCode::GATEWAY_TIMEOUT);
     assert!(late.headers().contains_key("x-request-id"));
+    assert_eq!(
+        late.headers()["retry-after"],
+        "1",
+        "held as long as the deadline"
+    );
     let body = axum::body::to_bytes(late.into_body(), 10_000)
         .await
         .unwrap();
@@ -542,6 +547,41 @@ async fn library_answers_name_their_request_and_say_what_timed_out() {
         problem["title"].as_str().unwrap().contains("handler"),
         "{problem}"
     );
+    // What is true, said: the handler may have acted and work it spawned
+    // may still run, so the retry is held (its Retry-After), then runs the
+    // handler once more.
+    let detail = problem["detail"].as_str().unwrap();
+    for said in [
+        "may have acted",
+        "spawned",
+        "held for 1s",
+        "runs the handler once more",
+    ] {
+        assert!(detail.contains(said), "{said:?} in {detail}");
+    }
+    let retry = app.clone().oneshot(post("w-3", "1000")).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::BAD_GATEWAY);
+    assert_eq!(retry.headers()["retry-after"], "1");
+    let body = axum::body::to_bytes(retry.into_body(), 10_000)
+        .await
+        .unwrap();
+    let held: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(held["type"], "urn:idemgate:problem:outcome-uncertain");
+    let detail = held["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("handler") && !detail.contains("upstream"),
+        "the library has no upstream: {detail}"
+    );
+    assert!(
+        !held["title"].as_str().unwrap().contains("upstream"),
+        "{held}"
+    );
+    // After the hold (the deadline): the handler runs once more.
+    let before = calls.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let after = app.clone().oneshot(post("w-3", "1000")).await.unwrap();
+    assert_eq!(after.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), before + 1);
     // /token.
     for (method, status) in [("POST", 201), ("GET", 201), ("PUT", 405), ("DELETE", 405)] {
         let answer = app

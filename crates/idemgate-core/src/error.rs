@@ -89,7 +89,7 @@ reasons! {
     IdentityInvalid = ("identity-invalid", StatusCode::UNAUTHORIZED, "The bearer token could not be verified"),
     InvalidPath = ("invalid-path", StatusCode::BAD_REQUEST, "The request path could be read as a different path"),
     MethodNotAllowed = ("method-not-allowed", StatusCode::METHOD_NOT_ALLOWED, "The route does not take this method"),
-    OutcomeUncertain = ("outcome-uncertain", StatusCode::BAD_GATEWAY, "The first request with this key reached the upstream, but no answer came back"),
+    OutcomeUncertain = ("outcome-uncertain", StatusCode::BAD_GATEWAY, "The first request with this key may have acted, but no answer came back"),
     ReconcileFailed = ("reconcile-failed", StatusCode::BAD_GATEWAY, "The upstream could not say whether the first request's action ran"),
     RecordInFlight = ("record-in-flight", StatusCode::CONFLICT, "A request with this key is still being processed"),
     RequestInFlight = ("request-in-flight", StatusCode::CONFLICT, "A request with this idempotency key is still being processed"),

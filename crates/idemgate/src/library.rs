@@ -38,9 +38,11 @@
 //! hangs up does not cancel it, and its outcome is recorded either way. What
 //! "uncertain" means in process: a handler that panics, or that does not
 //! finish within [`Builder::handler_deadline`], may have acted before it
-//! stopped; its record becomes `uncertain` (`502`/`504` to the client) and
-//! the next retry runs the handler again with the same stable key in
-//! `Idempotency-Key`, for the handler's own state check.
+//! stopped, and work it spawned may still be running; its record becomes
+//! `uncertain` (`502`/`504` to the client, with `Retry-After`). A retry
+//! within the next `handler_deadline` is held (`502 outcome-uncertain`,
+//! nothing runs); the retry after it runs the handler once more with the
+//! same stable key in `Idempotency-Key`, for the handler's own state check.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

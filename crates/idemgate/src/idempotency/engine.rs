@@ -89,11 +89,14 @@ pub enum IdempotencyError {
         retry_after: Duration,
     },
     /// `502`: the first request's outcome is uncertain and a copy may still
-    /// run upstream.
+    /// run upstream (or, in process, work its handler spawned).
     #[error("the first request's outcome is uncertain; a copy may still run upstream")]
     Uncertain {
         /// When the hold ends.
         retry_after: Duration,
+        /// The first request ran in a handler in this process (the
+        /// library), not at an upstream.
+        in_process: bool,
     },
     /// `502`: the status endpoint could not say whether the action ran.
     #[error("the upstream's status endpoint could not say whether the action ran: {0}")]
@@ -767,7 +770,10 @@ impl Engine {
             return replay(stored, expires_at_ms);
         }
         self.refuse::<P>(
-            IdempotencyError::Uncertain { retry_after },
+            IdempotencyError::Uncertain {
+                retry_after,
+                in_process: self.settings.in_process,
+            },
             Some(key),
             expires_at_ms,
         )
@@ -953,11 +959,20 @@ impl From<&IdempotencyError> for idemgate_core::error::Problem {
             .retry_after(idemgate_core::error::IN_FLIGHT_RETRY_AFTER_SECS),
             E::FieldsDiffer => idemgate_core::error::Problem::new(Reason::BusinessKeyReused)
             .detail("a redelivery must carry the same values in the fields the route lists in must_match; it was not forwarded"),
-            E::Uncertain { retry_after } => idemgate_core::error::Problem::new(Reason::OutcomeUncertain)
+            E::Uncertain { retry_after, in_process: false } => idemgate_core::error::Problem::new(Reason::OutcomeUncertain)
             .detail(format!(
                 "a copy may still be running at the upstream, so nothing is forwarded for {}s more; \
                  then retry with the same key: the retry is forwarded once, with the same key, \
                  for the upstream's own check",
+                secs_up(*retry_after)
+            ))
+            .retry_after(secs_up(*retry_after)),
+            E::Uncertain { retry_after, in_process: true } => idemgate_core::error::Problem::new(Reason::OutcomeUncertain)
+            .detail(format!(
+                "the first request's handler stopped without an answer (it panicked, or ran past \
+                 its deadline) and may have acted; work it started (a task it spawned) may still \
+                 be running, so the handler is not run again for {}s more; then retry with the \
+                 same key: the handler runs once more, with the same key, for its own check",
                 secs_up(*retry_after)
             ))
             .retry_after(secs_up(*retry_after)),

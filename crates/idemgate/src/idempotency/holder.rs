@@ -354,7 +354,14 @@ impl<L: Ledger> Holder<L> {
             self.share.shrink();
             let problem = match self.in_process {
                 false => Problem::new(Reason::UpstreamTimeout),
-                true => Problem::new(Reason::HandlerTimeout),
+                true => held_in_process(
+                    Problem::new(Reason::HandlerTimeout),
+                    &format!(
+                        "did not answer within {}s",
+                        self.deadline.as_secs_f64().ceil()
+                    ),
+                    self.uncertain_hold,
+                ),
             }
             .logged(
                 self.layer,
@@ -488,10 +495,12 @@ impl<L: Ledger> Holder<L> {
         let response = match futures_util::FutureExt::catch_unwind(forwarded).await {
             Ok(response) => response,
             Err(_) => {
-                let problem = Problem::new(Reason::HandlerPanicked).logged(
-                    "holder",
-                    "the inner service panicked; the outcome is uncertain",
-                );
+                let problem =
+                    held_in_process(Problem::new(Reason::HandlerPanicked), "panicked", hold)
+                        .logged(
+                            "holder",
+                            "the inner service panicked; the outcome is uncertain",
+                        );
                 return (Write::Uncertain { hold }, problem.into_response());
             }
         };
@@ -550,6 +559,19 @@ impl<L: Ledger> Holder<L> {
             Response::from_parts(parts, client_body),
         )
     }
+}
+
+/// The answer to a request whose in-process handler stopped without an
+/// answer (`what` it did): what stands, and how long its retry is held.
+fn held_in_process(problem: Problem, what: &str, hold: Duration) -> Problem {
+    let secs = hold.as_secs_f64().ceil().max(1.0) as u64;
+    problem
+        .detail(format!(
+            "the handler {what} and may have acted before it stopped; work it started (a task it \
+             spawned) may still be running, so a retry with the same key is held for {secs}s \
+             (Retry-After), then runs the handler once more with the same key, for its own check"
+        ))
+        .retry_after(secs)
 }
 
 /// Renews the lease every third of its length until aborted, or until the
@@ -800,6 +822,16 @@ mod tests {
         });
         let response = run(holder, panicking).await.unwrap();
         assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+        // How long its retry is held, and why, said.
+        assert_eq!(response.headers()["retry-after"], "2");
+        let body = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .unwrap();
+        let detail = String::from_utf8_lossy(&body);
+        assert!(
+            detail.contains("held for 2s") && detail.contains("spawned"),
+            "{detail}"
+        );
         assert!(matches!(
             script.writes.lock().unwrap()[0].1,
             Write::Uncertain { .. }
