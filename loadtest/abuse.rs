@@ -9,6 +9,9 @@
 //! abuse_bench resets    ADDR COUNT DELAY_MS       # one h2c connection: HEADERS, RST_STREAM 5 ms later
 //! abuse_bench big       URL COUNT BYTES            # fresh keys whose answers are BYTES long
 //! abuse_bench slowloris ADDR CONNS SECONDS h1|h2  # connections that send a byte now and then
+//! abuse_bench atcap     ADDR FILL DELAY_MS NEW    # FILL hang-ups whose claims run DELAY_MS fill
+//!                                                 # max_connections; then NEW newcomers, one
+//!                                                 # connection each: how long each waited, for what
 //! ```
 
 use std::sync::Arc;
@@ -187,6 +190,88 @@ async fn hangup(addr: &str, count: u64, delay_ms: u64) {
     println!("{}", serde_json::json!({"sent": sent}));
 }
 
+/// Fills the connection cap with `fill` hang-ups whose claims run
+/// `delay_ms`, then sends `newcomers` requests, each on a connection of
+/// its own, 20 ms apart: how long each waited for its answer's first
+/// bytes, and what it was (a refusal, an answer, nothing within 10 s).
+async fn atcap(addr: &str, fill: u64, delay_ms: u64, newcomers: u64) {
+    use tokio::io::AsyncReadExt;
+    hangup_quiet(addr, fill, delay_ms).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let run = run_id();
+    let mut tasks = Vec::new();
+    for i in 0..newcomers {
+        let (addr, key) = (addr.to_owned(), format!("new-{run}-{i}"));
+        tasks.push(tokio::spawn(async move {
+            let started = Instant::now();
+            let mut socket = tokio::net::TcpStream::connect(&addr).await.ok()?;
+            let request = format!(
+                "POST /actions/newcomer HTTP/1.1\r\nHost: gw\r\nIdempotency-Key: {key}\r\n\
+                 Content-Length: 2\r\n\r\n{{}}"
+            );
+            socket.write_all(request.as_bytes()).await.ok()?;
+            let mut head = [0u8; 12];
+            tokio::time::timeout(Duration::from_secs(10), socket.read_exact(&mut head))
+                .await
+                .ok()?
+                .ok()?;
+            let status = String::from_utf8_lossy(&head[9..12]).into_owned();
+            Some((status, started.elapsed().as_millis() as u64))
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (mut refused, mut served, mut unanswered, mut waits) = (0u64, 0u64, 0u64, Vec::new());
+    for task in tasks {
+        match task.await.ok().flatten() {
+            Some((status, ms)) => {
+                waits.push(ms);
+                if status == "503" {
+                    refused += 1;
+                } else {
+                    served += 1;
+                }
+            }
+            None => unanswered += 1,
+        }
+    }
+    waits.sort_unstable();
+    let at = |q: f64| {
+        waits
+            .get(((waits.len() as f64 * q) as usize).min(waits.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "newcomers": newcomers, "refused_503": refused, "served": served,
+            "unanswered_10s": unanswered, "p50_wait_ms": at(0.5), "p99_wait_ms": at(0.99),
+            "max_wait_ms": waits.last().copied().unwrap_or(0),
+        })
+    );
+}
+
+/// [`hangup`] without its summary line.
+async fn hangup_quiet(addr: &str, count: u64, delay_ms: u64) {
+    let run = run_id();
+    let mut tasks = Vec::new();
+    for i in 0..count {
+        let (addr, key) = (addr.to_owned(), format!("fill-{run}-{i}"));
+        tasks.push(tokio::spawn(async move {
+            if let Ok(mut socket) = tokio::net::TcpStream::connect(&addr).await {
+                let request = format!(
+                    "POST /actions/abuse HTTP/1.1\r\nHost: gw\r\nIdempotency-Key: {key}\r\n\
+                     X-Demo-Delay-Ms: {delay_ms}\r\nContent-Length: 2\r\n\r\n{{}}"
+                );
+                let _ = socket.write_all(request.as_bytes()).await;
+            }
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
 async fn resets(addr: &str, count: u64, delay_ms: u64) {
     let run = run_id();
     let Ok(tcp) = tokio::net::TcpStream::connect(addr).await else {
@@ -312,6 +397,7 @@ async fn main() {
         Some("resets") => resets(&args[2], n(3), n(4)).await,
         Some("big") => big(&args[2], n(3), n(4)).await,
         Some("slowloris") => slowloris(&args[2], n(3), n(4), args[5] == "h2").await,
+        Some("atcap") => atcap(&args[2], n(3), n(4), n(5)).await,
         _ => {
             eprintln!("usage: see loadtest/abuse.rs");
             std::process::exit(2);

@@ -9,7 +9,7 @@
 #
 #   loadtest/abuse.sh [SECONDS_PER_SCENARIO] [LEGIT_RATE]
 #
-# ONLY=hangup|resets|slowloris|big: the quiet run and that abuse only (with
+# ONLY=hangup|resets|slowloris|atcap|big: the quiet run and that abuse only (with
 # LEGIT_TRACE=FILE, the legitimate client's requests beside it); BIG_COUNT: how many
 # one-megabyte answers (600; RSS must not grow with it). MEMORY_LAYER_BYTES,
 # MAX_STORED_BODY_BYTES: the store's keys of those names (a small
@@ -166,6 +166,10 @@ wanted() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
 ! wanted resets || scenario "HEADERS+RST flood (600, one h2c connection)" "$CLIENT" resets "127.0.0.1:$GW" 600 2000
 ! wanted slowloris || scenario "slow-loris HTTP/1.1 (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h1
 ! wanted slowloris || scenario "slow-loris h2c (300 connections)" "$CLIENT" slowloris "127.0.0.1:$GW" 300 "$SECS" h2
+# The connection cap filled by claims whose clients left (5 s each, more
+# than max_connections of them), then 100 newcomers: each is answered at
+# once (503 connections-exhausted) instead of waiting in the backlog.
+! wanted atcap || scenario "newcomers at the connection cap (${ATCAP_FILL:-1200} claims, 100 newcomers)" "$CLIENT" atcap "127.0.0.1:$GW" "${ATCAP_FILL:-1200}" 5000 100
 # Last: the allocator keeps some of what it held for the others to see.
 ! wanted big || scenario "big answers (${BIG_COUNT:-600} × 1 MB)" "$CLIENT" big "http://127.0.0.1:$GW/actions/big" "${BIG_COUNT:-600}" 1000000
 

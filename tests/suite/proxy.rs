@@ -288,8 +288,11 @@ async fn served_connection(addr: std::net::SocketAddr) -> TcpStream {
     conn
 }
 
+/// At the connection cap a newcomer is answered at once — `503
+/// connections-exhausted`, the connection closed, nothing forwarded —
+/// and a connection once a slot is free is served.
 #[tokio::test]
-async fn connection_cap_holds_extra_connections_back() {
+async fn connection_cap_refuses_extra_connections_at_once() {
     // One worker: the cap is split across worker threads.
     let stack = Stack::start_with(PASS_THROUGH, |c| {
         c.server.max_connections = 1;
@@ -299,21 +302,38 @@ async fn connection_cap_holds_extra_connections_back() {
     let addr = stack.gateway.public_addr;
     // Connection A: one keep-alive exchange, then held open.
     let a = served_connection(addr).await;
-    let mut buf = vec![0u8; 8192];
-    // Connection B waits while A holds the only slot…
+    let requests = stack.upstream.state.stats().requests;
+    // Connection B is refused while A holds the only slot…
     let mut b = TcpStream::connect(addr).await.unwrap();
-    b.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    b.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
         .unwrap();
-    let early = tokio::time::timeout(Duration::from_millis(400), b.read(&mut buf)).await;
-    assert!(early.is_err(), "B was served while A held the only slot");
-    // …and is served once A goes away.
+    let mut refused = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), b.read_to_end(&mut refused))
+        .await
+        .expect("B was left waiting")
+        .unwrap();
+    let refused = String::from_utf8_lossy(&refused);
+    assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+    assert!(refused.contains("connections-exhausted"), "{refused}");
+    assert_eq!(
+        stack.upstream.state.stats().requests,
+        requests,
+        "nothing forwarded"
+    );
+    // …and a connection after A went away is served.
     drop(a);
-    let n = tokio::time::timeout(Duration::from_secs(5), b.read(&mut buf))
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let served = support::eventually(Duration::from_secs(5), || async {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(2), c.read_to_end(&mut answer)).await;
+        answer.starts_with(b"HTTP/1.1 200")
+    })
+    .await;
+    assert!(served);
     stack.shutdown().await;
 }
 

@@ -75,6 +75,7 @@ reasons! {
     BusinessKeyMissing = ("business-key-missing", StatusCode::BAD_REQUEST, "The callback carries no business key"),
     BusinessKeyReused = ("business-key-reused", StatusCode::UNPROCESSABLE_ENTITY, "This business key was delivered before with different must_match fields"),
     ClaimsExhausted = ("claims-exhausted", StatusCode::SERVICE_UNAVAILABLE, "The gateway holds as many requests in progress as it may"),
+    ConnectionsExhausted = ("connections-exhausted", StatusCode::SERVICE_UNAVAILABLE, "The gateway serves as many connections as it may"),
     HandlerPanicked = ("handler-panicked", StatusCode::BAD_GATEWAY, "The handler failed before a complete answer"),
     HandlerTimeout = ("handler-timeout", StatusCode::GATEWAY_TIMEOUT, "The handler did not answer in time"),
     HolderFailed = ("holder-failed", StatusCode::INTERNAL_SERVER_ERROR, "The gateway lost track of this request; retry it with the same key"),

@@ -170,8 +170,10 @@ pub struct ServerConfig {
     /// (it is buffered to fingerprint it); slower clients get 408.
     #[serde(default = "default_body_read_timeout")]
     pub body_read_timeout: HumanDuration,
-    /// Connections beyond this wait in the kernel's accept queue. Split
-    /// evenly across worker threads (each counts its own connections: a
+    /// Connections beyond this are answered `503 connections-exhausted`
+    /// at once (while a reserve of refusals and the descriptors last;
+    /// past them they wait in the kernel's accept queue). Split evenly
+    /// across worker threads (each counts its own connections: a
     /// shared count could leave a connection waiting on one thread while
     /// another holds the last slot).
     #[serde(default = "default_max_connections")]

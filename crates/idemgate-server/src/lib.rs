@@ -63,6 +63,12 @@ pub struct ConnLimits {
     /// Bound on the TLS handshake and on each HTTP/1.1 request head.
     pub header_read_timeout: Duration,
     pub max_connections: usize,
+    /// Connections past `max_connections` a loop may hold at once only to
+    /// refuse them (`503 connections-exhausted` with `Retry-After`, then
+    /// close), while descriptors remain: a newcomer at the cap learns so
+    /// at once instead of waiting unanswered in the kernel's backlog. Past
+    /// these (or with 0), accept waits for a slot.
+    pub refuse_at_cap: usize,
     /// Claims one connection may leave live (see
     /// [`idemgate_core::budget`]).
     pub claims_per_connection: usize,
@@ -83,6 +89,7 @@ impl ConnLimits {
         ConnLimits {
             header_read_timeout,
             max_connections,
+            refuse_at_cap: 0,
             claims_per_connection: CLAIMS_PER_CONNECTION,
             shutdown_grace,
             http2: true,
@@ -210,7 +217,9 @@ impl ShutdownSignal {
 /// an answer (the demo upstream uses that to simulate a lost
 /// acknowledgement). With a `seat`, this loop is one of several workers on
 /// one socket: it serves the connections the balance leaves here and those
-/// other workers hand over.
+/// other workers hand over. At the cap, up to `limits.refuse_at_cap`
+/// connections more are accepted only to be answered `503` (see
+/// [`refuse`]).
 pub async fn serve<F, S, E>(
     listener: TcpListener,
     make_service: F,
@@ -227,9 +236,15 @@ pub async fn serve<F, S, E>(
 {
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let refusals = Arc::new(Semaphore::new(limits.refuse_at_cap));
     let builders = Arc::new((limits.http1(), limits.http2()));
-    let http2_on = limits.http2;
     let acceptor = limits.tls.clone().map(tokio_rustls::TlsAcceptor::from);
+    let how = Arc::new(Accepting {
+        acceptor,
+        http2: limits.http2,
+        handshake_timeout: limits.header_read_timeout,
+        builders,
+    });
     loop {
         // One connection per turn (nginx's `multi_accept off`), whichever
         // way the last one went (served here, handed over, refused): a
@@ -242,13 +257,24 @@ pub async fn serve<F, S, E>(
         // next look at the sockets.
         tokio::task::yield_now().await;
         // Take a connection slot before accepting, so a flood waits in the
-        // kernel backlog instead of in our memory.
-        let slot = tokio::select! {
-            slot = slots.clone().acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
+        // kernel backlog instead of in our memory — or, at the cap and
+        // while the refusals' reserve and the descriptors last, a place to
+        // refuse it from.
+        let admit = match slots.clone().try_acquire_owned() {
+            Ok(slot) => Admit::Serve(slot),
+            Err(tokio::sync::TryAcquireError::Closed) => break,
+            Err(tokio::sync::TryAcquireError::NoPermits) => tokio::select! {
+                biased;
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => Admit::Serve(slot),
+                    Err(_) => break,
+                },
+                refusal = refusals.clone().acquire_owned(), if descriptors_left() => match refusal {
+                    Ok(refusal) => Admit::Refuse(refusal),
+                    Err(_) => break,
+                },
+                _ = shutdown.wait() => break,
             },
-            _ = shutdown.wait() => break,
         };
         let (stream, peer, counted) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -272,51 +298,37 @@ pub async fn serve<F, S, E>(
             _ = shutdown.wait() => break,
         };
         let _ = stream.set_nodelay(true);
+        let slot = match admit {
+            Admit::Serve(slot) => slot,
+            Admit::Refuse(refusal) => {
+                tokio::spawn(Box::pin(refuse(
+                    how.clone(),
+                    stream,
+                    peer,
+                    refusal,
+                    counted,
+                )));
+                continue;
+            }
+        };
         // The slot now belongs to the connection's claims: a claim that
         // outlives its connection keeps it taken.
         let claims = ConnectionClaims::new(Some(slot), limits.claims_per_connection);
-        let service = make_service(peer, acceptor.is_some(), claims.clone());
-        let builders = builders.clone();
+        let service = make_service(peer, how.acceptor.is_some(), claims.clone());
         let watcher = graceful.watcher();
-        let acceptor = acceptor.clone();
-        let handshake_timeout = limits.header_read_timeout;
+        let how = how.clone();
         let mut stopping = shutdown.clone();
         // Boxed once here: the connection's state is large, and unboxed it
         // would be copied whole at every move into the spawned task.
         tokio::spawn(Box::pin(async move {
-            let (stream, protocol): (ServerStream, _) = match acceptor {
-                None if !http2_on => (idemgate_proxy::tls::Stream::Plain(stream), Protocol::Http1),
-                None => match sniff(&stream, handshake_timeout).await {
-                    Some(protocol) => (idemgate_proxy::tls::Stream::Plain(stream), protocol),
-                    None => return,
-                },
-                Some(acceptor) => {
-                    match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
-                        Ok(Ok(tls)) => {
-                            // ALPN decides: the listener offers h2 only
-                            // when HTTP/2 is on.
-                            let protocol = match tls.get_ref().1.alpn_protocol() {
-                                Some(idemgate_proxy::tls::ALPN_H2) => Protocol::Http2,
-                                _ => Protocol::Http1,
-                            };
-                            (idemgate_proxy::tls::Stream::Tls(Box::new(tls)), protocol)
-                        }
-                        Ok(Err(e)) => {
-                            tracing::debug!(%peer, error = %e, layer = "server", "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            tracing::debug!(%peer, layer = "server", "TLS handshake timed out");
-                            return;
-                        }
-                    }
-                }
+            let Some((stream, protocol)) = how.open(stream, peer).await else {
+                return;
             };
             let io = TokioIo::new(stream);
             let ended = match protocol {
                 Protocol::Http1 => {
                     watcher
-                        .watch(builders.0.serve_connection(io, service))
+                        .watch(how.builders.0.serve_connection(io, service))
                         .await
                 }
                 Protocol::Http2 => {
@@ -329,7 +341,7 @@ pub async fn serve<F, S, E>(
                         inner: service,
                         activity: activity.clone(),
                     };
-                    let conn = builders.1.serve_connection(io, service);
+                    let conn = how.builders.1.serve_connection(io, service);
                     tokio::pin!(conn);
                     let mut closing = false;
                     loop {
@@ -347,7 +359,7 @@ pub async fn serve<F, S, E>(
                                 conn.as_mut().graceful_shutdown();
                                 closing = true;
                             }
-                            _ = activity.idle_for(handshake_timeout), if !closing => {
+                            _ = activity.idle_for(how.handshake_timeout), if !closing => {
                                 tracing::debug!(%peer, layer = "server", "idle HTTP/2 connection closed");
                                 conn.as_mut().graceful_shutdown();
                                 closing = true;
@@ -370,6 +382,164 @@ pub async fn serve<F, S, E>(
         _ = tokio::time::sleep(limits.shutdown_grace) => {
             tracing::warn!(grace = ?limits.shutdown_grace, "shutdown grace elapsed with requests still running");
         }
+    }
+}
+
+/// What a connection may be accepted for.
+enum Admit {
+    /// A `max_connections` slot: serve it.
+    Serve(tokio::sync::OwnedSemaphorePermit),
+    /// A place in the refusals' reserve: answer `503` and close.
+    Refuse(tokio::sync::OwnedSemaphorePermit),
+}
+
+/// How every connection of a loop is opened: TLS (or not), the protocol,
+/// the builders.
+struct Accepting {
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+    http2: bool,
+    handshake_timeout: Duration,
+    builders: Arc<(http1::Builder, http2::Builder<TokioExecutor>)>,
+}
+
+impl Accepting {
+    /// The stream to serve and its protocol: TLS terminated (ALPN decides),
+    /// or a plain connection sniffed for the HTTP/2 preface. `None` when
+    /// the handshake failed or the client stayed silent past the timeout.
+    async fn open(
+        &self,
+        stream: tokio::net::TcpStream,
+        peer: SocketAddr,
+    ) -> Option<(ServerStream, Protocol)> {
+        match &self.acceptor {
+            None if !self.http2 => {
+                Some((idemgate_proxy::tls::Stream::Plain(stream), Protocol::Http1))
+            }
+            None => {
+                let protocol = sniff(&stream, self.handshake_timeout).await?;
+                Some((idemgate_proxy::tls::Stream::Plain(stream), protocol))
+            }
+            Some(acceptor) => {
+                match tokio::time::timeout(self.handshake_timeout, acceptor.accept(stream)).await {
+                    Ok(Ok(tls)) => {
+                        // ALPN decides: the listener offers h2 only when
+                        // HTTP/2 is on.
+                        let protocol = match tls.get_ref().1.alpn_protocol() {
+                            Some(idemgate_proxy::tls::ALPN_H2) => Protocol::Http2,
+                            _ => Protocol::Http1,
+                        };
+                        Some((idemgate_proxy::tls::Stream::Tls(Box::new(tls)), protocol))
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, layer = "server", "TLS handshake failed");
+                        None
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, layer = "server", "TLS handshake timed out");
+                        None
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Descriptors kept free of refusals: past them accept waits for a slot
+/// (and the kernel's backlog holds the rest), so refusing never takes the
+/// descriptors the store and the upstreams need.
+const REFUSAL_DESCRIPTOR_MARGIN: u64 = 32;
+
+/// Whether a refusal may take one more descriptor.
+fn descriptors_left() -> bool {
+    match (
+        idemgate_core::limits::descriptor_limit(),
+        idemgate_core::limits::open_descriptors(),
+    ) {
+        (Some(limit), Some(open)) => {
+            (open as u64).saturating_add(REFUSAL_DESCRIPTOR_MARGIN) < limit
+        }
+        _ => true,
+    }
+}
+
+/// A connection accepted past `max_connections`: its first request is
+/// answered `503 connections-exhausted` with `Retry-After` and the
+/// connection is closed (HTTP/1.1: `Connection: close`; HTTP/2: GOAWAY),
+/// within the header-read timeout, handshake included. The client learns
+/// at once that it should come back, instead of waiting unanswered in the
+/// backlog; nothing is read past the request head, claimed or forwarded.
+async fn refuse(
+    how: Arc<Accepting>,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    _refusal: tokio::sync::OwnedSemaphorePermit,
+    _counted: Option<balance::ConnGuard>,
+) {
+    refused_at_cap(peer);
+    let deadline = how.handshake_timeout;
+    let _ = tokio::time::timeout(deadline, async {
+        let Some((stream, protocol)) = how.open(stream, peer).await else {
+            return;
+        };
+        let io = TokioIo::new(stream);
+        let answered = Arc::new(tokio::sync::Notify::new());
+        let service = Refusal {
+            answered: answered.clone(),
+        };
+        match protocol {
+            Protocol::Http1 => {
+                let _ = how.builders.0.serve_connection(io, service).await;
+            }
+            Protocol::Http2 => {
+                let conn = how.builders.1.serve_connection(io, service);
+                tokio::pin!(conn);
+                tokio::select! {
+                    _ = conn.as_mut() => return,
+                    _ = answered.notified() => conn.as_mut().graceful_shutdown(),
+                }
+                let _ = conn.await;
+            }
+        }
+    })
+    .await;
+}
+
+/// Answers every request `503 connections-exhausted`.
+#[derive(Clone)]
+struct Refusal {
+    answered: Arc<tokio::sync::Notify>,
+}
+
+impl hyper::service::Service<Request<Incoming>> for Refusal {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Body>, Infallible>>;
+
+    fn call(&self, _req: Request<Incoming>) -> Self::Future {
+        let mut response =
+            idemgate_core::error::Problem::new(idemgate_core::error::Reason::ConnectionsExhausted)
+                .detail(
+                    "the gateway serves as many connections as it may (server.max_connections, or \
+             what its descriptors allow); nothing was read, claimed or forwarded: retry shortly",
+                )
+                .retry_after(idemgate_core::error::IN_FLIGHT_RETRY_AFTER_SECS)
+                .into_response();
+        response.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+        self.answered.notify_one();
+        std::future::ready(Ok(response))
+    }
+}
+
+/// Logs connections refused at the cap, at most once a minute per process.
+fn refused_at_cap(peer: SocketAddr) {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+        *last = Some(std::time::Instant::now());
+        tracing::warn!(%peer, layer = "server", "at max_connections: new connections are answered 503 connections-exhausted (logged once a minute)");
     }
 }
 

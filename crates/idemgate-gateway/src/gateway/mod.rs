@@ -108,6 +108,10 @@ pub async fn start_for_tests(config: Config) -> Result<RunningGateway, StartErro
     start_plan(plan).await
 }
 
+/// Connections each worker may hold past its share of `max_connections`
+/// only to answer them `503 connections-exhausted`, however small the cap.
+const MIN_REFUSALS_AT_CAP: usize = 16;
+
 /// Starts the gateway on the listeners the plan names, in phases: the
 /// admin listener, the store, the shared state, the public listener's
 /// workers, the consumers, and the admin routes.
@@ -166,6 +170,10 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
     let limits = ConnLimits {
         header_read_timeout: shared.config.server.header_read_timeout.get(),
         max_connections: budgets.max_connections.div_ceil(threads),
+        // At the cap, newcomers are answered 503 at once, a quarter of the
+        // cap more at a time (the descriptors permitting), instead of
+        // waiting unanswered in the backlog.
+        refuse_at_cap: (budgets.max_connections.div_ceil(threads) / 4).max(MIN_REFUSALS_AT_CAP),
         claims_per_connection: budgets.claims_per_connection,
         shutdown_grace: shared.config.server.shutdown_grace.get(),
         http2: shared.config.server.http2,
