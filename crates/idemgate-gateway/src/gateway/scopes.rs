@@ -179,3 +179,87 @@ fn problem(plan: &Plan, o: &Orphaned) -> Problem {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn scopings(text: &str) -> Vec<(String, String)> {
+        let plan = Config::parse(text, "t").unwrap().validate("t").unwrap();
+        plan.scopings()
+            .into_iter()
+            .map(|(k, v)| (k, v.scope))
+            .collect()
+    }
+
+    const BASE: &str = r#"
+        [identity]
+        header = "X-User-Id"
+        [[upstreams]]
+        name = "o"
+        url = "http://127.0.0.1:9001"
+        [[routes]]
+        name = "pay"
+        path = "/pay"
+        upstream = "o"
+        idempotency = "key"
+        [[routes]]
+        name = "hook"
+        path = "/hook"
+        upstream = "o"
+        kind = "callback"
+        business_key = ["json:/id"]
+        [[routes]]
+        name = "checkout"
+        path = "/checkout"
+        upstream = "o"
+        idempotency = "token"
+        [[routes]]
+        name = "read"
+        path = "/read"
+        upstream = "o"
+        [[consumers]]
+        name = "mq"
+        source = "amqp://guest:guest@127.0.0.1:5672/%2f"
+        queue = "q"
+        upstream = "o"
+        path = "/mq"
+    "#;
+
+    #[test]
+    fn every_change_that_moves_records_changes_its_namespace_or_scope() {
+        let base = scopings(BASE);
+        let names: Vec<&str> = base.iter().map(|(k, _)| k.as_str()).collect();
+        // Pass-through routes keep no records; tokens share one namespace.
+        assert_eq!(names, ["/token", "hook", "mq", "pay"]);
+        for changed in [
+            BASE.replace("X-User-Id", "Authorization"),
+            BASE.replace("json:/id", "json:/trade_no"),
+            BASE.replace("path = \"/hook\"", "path_prefix = \"/hook/\""),
+            BASE.replace(
+                "path = \"/mq\"",
+                "path = \"/mq\"\nbusiness_key = [\"json:/id\"]",
+            ),
+            BASE.replace("name = \"pay\"", "name = \"payments\""),
+            BASE.replace("idempotency = \"key\"", ""),
+        ] {
+            assert_ne!(scopings(&changed), base, "{changed}");
+        }
+        // What moves no record: a rename that keeps the id, another
+        // path, another upstream timeout, on_concurrent.
+        for same in [
+            BASE.replace("name = \"pay\"", "name = \"payments\"\nid = \"pay\""),
+            BASE.replace("path = \"/pay\"", "path = \"/payments\""),
+            BASE.replace(
+                "idempotency = \"key\"",
+                "idempotency = \"key\"\non_concurrent = \"wait\"",
+            ),
+            BASE.replace(
+                "url = \"http://127.0.0.1:9001\"",
+                "url = \"http://127.0.0.1:9002\"",
+            ),
+        ] {
+            assert_eq!(scopings(&same), base, "{same}");
+        }
+    }
+}

@@ -166,3 +166,80 @@ impl SqlStore {
         .await
     }
 }
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::RecordKey;
+
+    fn plan(entries: &[(&str, &str)]) -> BTreeMap<String, Scoping> {
+        entries
+            .iter()
+            .map(|(route, scope)| {
+                (
+                    route.to_string(),
+                    Scoping {
+                        records: route.to_string(),
+                        scope: scope.to_string(),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_namespace_with_live_records_cannot_be_dropped_or_rescoped() {
+        let sql = super::super::sqlite_in_memory().await;
+        let first = plan(&[
+            ("pay", "key;identity=header:x-user-id"),
+            ("hook", "callback;business_key=json:/id;by_path=false"),
+        ]);
+        // Nothing registered yet: anything runs.
+        assert!(sql.orphaned_by(&first).await.unwrap().is_empty());
+        sql.register_scopes(&first).await.unwrap();
+        // No records: a change orphans nothing.
+        let changed = plan(&[("pay", "key;identity=header:authorization")]);
+        assert!(sql.orphaned_by(&changed).await.unwrap().is_empty());
+        // One live record of "pay".
+        let key = RecordKey::new("c_1", "pay", "k-1");
+        sql.claim(
+            &key,
+            "fp",
+            "rid",
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        assert!(
+            sql.orphaned_by(&first).await.unwrap().is_empty(),
+            "the same plan"
+        );
+        let orphaned = sql.orphaned_by(&changed).await.unwrap();
+        assert_eq!(orphaned.len(), 1, "{orphaned:?}");
+        let o = &orphaned[0];
+        assert_eq!((o.route.as_str(), o.live), ("pay", 1));
+        assert_eq!(o.was, "key;identity=header:x-user-id");
+        assert_eq!(o.now.as_deref(), Some("key;identity=header:authorization"));
+        assert!(o.until_ms > crate::now_ms() + 50_000, "its retention's end");
+        // Dropped altogether: orphaned too, with nothing to keep it.
+        let dropped = sql.orphaned_by(&plan(&[])).await.unwrap();
+        assert_eq!(dropped.len(), 1);
+        assert_eq!(dropped[0].now, None);
+        // "hook" has no records: dropping it is fine, and registering a
+        // plan without it forgets it.
+        let without_hook = plan(&[("pay", "key;identity=header:x-user-id")]);
+        assert!(sql.orphaned_by(&without_hook).await.unwrap().is_empty());
+        sql.register_scopes(&without_hook).await.unwrap();
+        let registered: Vec<_> = sql
+            .registered()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.0)
+            .collect();
+        assert_eq!(registered, vec!["pay".to_owned()]);
+    }
+}
