@@ -3,7 +3,7 @@
 //! `/token` endpoint, and a payment callback deduplicated by `trade_no`.
 //!
 //! ```sh
-//! cargo run --example orders -- 127.0.0.1:3000
+//! cargo run -p idemgate --example orders -- 127.0.0.1:3000
 //! curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: k1' -d '{"item":"book"}'
 //! curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: k1' -d '{"item":"book"}'   # replayed
 //! curl -s localhost:3000/stats                                                            # one order
