@@ -536,3 +536,75 @@ fn an_in_memory_store_is_refused_by_check_config_and_serve() {
         }
     }
 }
+
+/// The `environment:` map of one service of `docker-compose.yml`. The file
+/// is plain block YAML (two-space indents, `KEY: "value"` pairs), read
+/// line by line: no YAML library for one map.
+fn compose_environment(service: &str) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docker-compose.yml"))
+        .unwrap();
+    let mut in_service = false;
+    let mut in_environment = false;
+    let mut vars = Vec::new();
+    for line in text.lines() {
+        let indent = line.len() - line.trim_start().len();
+        let trimmed = line.trim();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        if indent == 2 {
+            in_service = trimmed == format!("{service}:");
+            in_environment = false;
+        } else if in_service && indent == 4 {
+            in_environment = trimmed == "environment:";
+        } else if in_service && in_environment && indent == 6 {
+            let (key, value) = trimmed.split_once(':').expect("KEY: value");
+            vars.push((
+                key.trim().to_owned(),
+                value.trim().trim_matches('"').to_owned(),
+            ));
+        }
+    }
+    vars
+}
+
+/// What `docker compose up` would start is checked: the gateway service's
+/// environment from `docker-compose.yml`, over the config file it mounts
+/// (`config/docker.toml`), passes `check-config`. (Before, it set a public
+/// admin listener without a token: the gateway it started refused to run.)
+#[test]
+fn the_compose_files_gateway_passes_check_config() {
+    let environment = compose_environment("idemgate");
+    let names: Vec<&str> = environment.iter().map(|(k, _)| k.as_str()).collect();
+    for expected in [
+        "IDEMGATE_ADMIN_LISTEN",
+        "IDEMGATE_DATABASE_URL",
+        "IDEMGATE_ADMIN_TOKEN",
+    ] {
+        assert!(names.contains(&expected), "{expected} not in {names:?}");
+    }
+    let mut command = idemgate();
+    command.args(["check-config", "--config", "config/docker.toml"]);
+    for (key, value) in &environment {
+        command.env(key, value);
+    }
+    let out = command.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Without the token, the public admin listener is refused by name.
+    let mut command = idemgate();
+    command.args(["check-config", "--config", "config/docker.toml"]);
+    for (key, value) in environment
+        .iter()
+        .filter(|(k, _)| k != "IDEMGATE_ADMIN_TOKEN")
+    {
+        command.env(key, value);
+    }
+    let out = command.output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("server.admin_token"));
+}

@@ -1,5 +1,11 @@
 //! `[[consumers]]` (docs/semantics.md, "Queues"): a queue or stream Idemgate consumes and
-//! delivers, once per business key, to an upstream over HTTP.
+//! delivers, once per business key, to an upstream over HTTP — the schema,
+//! the defaults, the checks each entry needs on its own, and what the MQ
+//! crate is built from (its source, its path, its key sources parsed),
+//! which the plan keeps. What compares a consumer with the routes or with
+//! another consumer is in `validate.rs`.
+
+use std::collections::BTreeSet;
 
 use serde::Deserialize;
 
@@ -135,102 +141,91 @@ impl ConsumerConfig {
         (self.source.clone(), from)
     }
 
-    /// Checks one entry; `key` names its fields.
-    pub(super) fn validate(
+    /// Where it reads, as the MQ crate connects to it; `None` for a
+    /// scheme no broker has (see [`Self::unknown_source`]).
+    pub(super) fn mq_source(&self) -> Option<idemgate_mq::Source> {
+        use idemgate_mq::Source;
+        Some(match self.broker()? {
+            Broker::Amqp => Source::Amqp {
+                url: self.source.clone(),
+                queue: self.queue.clone().unwrap_or_default(),
+                dead_letter: match self.dead_letter.as_deref() {
+                    Some(DEAD_LETTER_EXCHANGE) => idemgate_mq::DeadLetters::Dlx,
+                    _ => idemgate_mq::DeadLetters::Queue(self.dead_letter_name()),
+                },
+            },
+            Broker::Nats => Source::Nats {
+                url: self.source.clone(),
+                stream: self.stream.clone().unwrap_or_default(),
+                durable: self.durable_name().to_owned(),
+                dead_letter: self.dead_letter_name(),
+            },
+            Broker::Redis => Source::Redis(idemgate_mq::StreamSource {
+                url: self.source.clone(),
+                stream: self.stream.clone().unwrap_or_default(),
+                group: self.group_name().to_owned(),
+                claim_idle: self.claim_idle.get(),
+                dead_letter: self.dead_letter_name(),
+            }),
+        })
+    }
+
+    /// Why `source` names no broker (its password left out).
+    pub(super) fn unknown_source(&self) -> String {
+        format!(
+            "{:?} must be amqp://… or amqps://… (RabbitMQ), nats://… or tls://… (NATS JetStream), redis://… or rediss://… (Redis Streams)",
+            idemgate_core::error::redact_url(&self.source)
+        )
+    }
+
+    /// `path`, as each message is POSTed to it; why not.
+    pub(super) fn upstream_path(&self) -> Result<http::uri::PathAndQuery, String> {
+        self.path
+            .parse::<http::uri::PathAndQuery>()
+            .ok()
+            .filter(|_| self.path.starts_with('/'))
+            .ok_or_else(|| format!("{:?} must be a path starting with '/'", self.path))
+    }
+
+    /// `business_key` and `must_match`, parsed: read here once, when the
+    /// plan is loaded, every source that is not one reported under its key.
+    pub(super) fn key_sources(
         &self,
         key: &dyn Fn(&str) -> String,
-        upstreams: &std::collections::BTreeSet<&str>,
+        add: &mut dyn FnMut(String, String),
+    ) -> Option<(Vec<MessageKeySource>, Vec<MessageKeySource>)> {
+        let mut parse = |field: &str, sources: &[String]| {
+            let mut parsed = Vec::with_capacity(sources.len());
+            let mut all = true;
+            for source in sources {
+                match MessageKeySource::parse(source) {
+                    Ok(one) => parsed.push(one),
+                    Err(reason) => {
+                        add(key(field), reason);
+                        all = false;
+                    }
+                }
+            }
+            all.then_some(parsed)
+        };
+        let sources = parse("business_key", &self.business_key);
+        let must_match = parse("must_match", &self.must_match);
+        Some((sources?, must_match?))
+    }
+
+    /// Checks one entry on its own (its key sources are read, and
+    /// reported, with the plan); `key` names its fields.
+    fn check(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        upstreams: &BTreeSet<&str>,
         add: &mut dyn FnMut(String, String),
     ) {
         match self.broker() {
-            None => add(
-                key("source"),
-                format!(
-                    "{:?} must be amqp://… or amqps://… (RabbitMQ), nats://… or tls://… (NATS JetStream), redis://… or rediss://… (Redis Streams)",
-                    idemgate_core::error::redact_url(&self.source)
-                ),
-            ),
-            Some(Broker::Amqp) => {
-                if self.queue.as_deref().is_none_or(str::is_empty) {
-                    add(key("queue"), "an AMQP consumer names its queue".into());
-                }
-                for (field, set) in [
-                    ("stream", &self.stream),
-                    ("durable", &self.durable),
-                    ("group", &self.group),
-                ] {
-                    if set.is_some() {
-                        add(
-                            key(field),
-                            "only NATS and Redis consumers take a stream (and a durable or group)"
-                                .into(),
-                        );
-                    }
-                }
-            }
-            Some(Broker::Redis) => {
-                if self.stream.as_deref().is_none_or(str::is_empty) {
-                    add(
-                        key("stream"),
-                        "a Redis Streams consumer names its stream".into(),
-                    );
-                }
-                for (field, set) in [("queue", &self.queue), ("durable", &self.durable)] {
-                    if set.is_some() {
-                        add(
-                            key(field),
-                            "a Redis Streams consumer reads a stream with a group (stream = \"…\", group = \"…\")"
-                                .into(),
-                        );
-                    }
-                }
-                if let Some(reason) = self.claim_idle.problem() {
-                    add(key("claim_idle"), reason);
-                } else if self.claim_idle.get() < MIN_CLAIM_IDLE {
-                    // Entries in hand are kept fresh every third of it: below
-                    // a second that is a Redis call every few milliseconds
-                    // per consumer, and a slow round trip would let another
-                    // instance take entries that are still being handled.
-                    add(
-                        key("claim_idle"),
-                        format!("must be at least {MIN_CLAIM_IDLE:?}"),
-                    );
-                }
-                if self
-                    .dead_letter
-                    .as_deref()
-                    .is_some_and(|d| Some(d) == self.stream.as_deref())
-                {
-                    add(
-                        key("dead_letter"),
-                        "must name a stream other than the one consumed".into(),
-                    );
-                }
-            }
-            Some(Broker::Nats) => {
-                if self.stream.as_deref().is_none_or(str::is_empty) {
-                    add(key("stream"), "a NATS consumer names its stream".into());
-                }
-                if self.queue.is_some() {
-                    add(
-                        key("queue"),
-                        "a NATS consumer reads a stream (stream = \"…\", durable = \"…\"), not a queue"
-                            .into(),
-                    );
-                }
-                // Stream and consumer names are subject tokens.
-                for (field, name) in [
-                    ("stream", self.stream.as_deref().unwrap_or_default()),
-                    ("durable", self.durable_name()),
-                ] {
-                    if name.contains(['.', '*', '>', ' ', '\t']) {
-                        add(
-                            key(field),
-                            format!("{name:?}: NATS names hold no '.', '*', '>' or whitespace"),
-                        );
-                    }
-                }
-            }
+            None => add(key("source"), self.unknown_source()),
+            Some(Broker::Amqp) => self.check_amqp(key, add),
+            Some(Broker::Redis) => self.check_redis(key, add),
+            Some(Broker::Nats) => self.check_nats(key, add),
         }
         if !upstreams.contains(self.upstream.as_str()) {
             add(
@@ -238,11 +233,8 @@ impl ConsumerConfig {
                 format!("unknown upstream {:?}", self.upstream),
             );
         }
-        if !self.path.starts_with('/') || self.path.parse::<http::uri::PathAndQuery>().is_err() {
-            add(
-                key("path"),
-                format!("{:?} must be a path starting with '/'", self.path),
-            );
+        if let Err(reason) = self.upstream_path() {
+            add(key("path"), reason);
         }
         if self.business_key.is_empty() {
             add(
@@ -251,16 +243,107 @@ impl ConsumerConfig {
                     .into(),
             );
         }
-        for source in &self.business_key {
-            if let Err(reason) = MessageKeySource::parse(source) {
-                add(key("business_key"), reason);
+        self.check_dead_letter(key, add);
+        if self.prefetch == 0 {
+            add(key("prefetch"), "must be above zero".into());
+        }
+        if self.max_deliveries == 0 {
+            add(key("max_deliveries"), "must be above zero".into());
+        }
+        if let Some(reason) = self.retry_delay.problem() {
+            add(key("retry_delay"), reason);
+        }
+    }
+
+    /// RabbitMQ: a queue, and none of the stream keys.
+    fn check_amqp(&self, key: &dyn Fn(&str) -> String, add: &mut dyn FnMut(String, String)) {
+        if self.queue.as_deref().is_none_or(str::is_empty) {
+            add(key("queue"), "an AMQP consumer names its queue".into());
+        }
+        for (field, set) in [
+            ("stream", &self.stream),
+            ("durable", &self.durable),
+            ("group", &self.group),
+        ] {
+            if set.is_some() {
+                add(
+                    key(field),
+                    "only NATS and Redis consumers take a stream (and a durable or group)".into(),
+                );
             }
         }
-        for source in &self.must_match {
-            if let Err(reason) = MessageKeySource::parse(source) {
-                add(key("must_match"), reason);
+    }
+
+    /// Redis Streams: a stream and a group, a usable `claim_idle`, dead
+    /// letters elsewhere.
+    fn check_redis(&self, key: &dyn Fn(&str) -> String, add: &mut dyn FnMut(String, String)) {
+        if self.stream.as_deref().is_none_or(str::is_empty) {
+            add(
+                key("stream"),
+                "a Redis Streams consumer names its stream".into(),
+            );
+        }
+        for (field, set) in [("queue", &self.queue), ("durable", &self.durable)] {
+            if set.is_some() {
+                add(
+                    key(field),
+                    "a Redis Streams consumer reads a stream with a group (stream = \"…\", group = \"…\")"
+                        .into(),
+                );
             }
         }
+        if let Some(reason) = self.claim_idle.problem() {
+            add(key("claim_idle"), reason);
+        } else if self.claim_idle.get() < MIN_CLAIM_IDLE {
+            // Entries in hand are kept fresh every third of it: below
+            // a second that is a Redis call every few milliseconds
+            // per consumer, and a slow round trip would let another
+            // instance take entries that are still being handled.
+            add(
+                key("claim_idle"),
+                format!("must be at least {MIN_CLAIM_IDLE:?}"),
+            );
+        }
+        if self
+            .dead_letter
+            .as_deref()
+            .is_some_and(|d| Some(d) == self.stream.as_deref())
+        {
+            add(
+                key("dead_letter"),
+                "must name a stream other than the one consumed".into(),
+            );
+        }
+    }
+
+    /// NATS JetStream: a stream and a durable, named as subject tokens.
+    fn check_nats(&self, key: &dyn Fn(&str) -> String, add: &mut dyn FnMut(String, String)) {
+        if self.stream.as_deref().is_none_or(str::is_empty) {
+            add(key("stream"), "a NATS consumer names its stream".into());
+        }
+        if self.queue.is_some() {
+            add(
+                key("queue"),
+                "a NATS consumer reads a stream (stream = \"…\", durable = \"…\"), not a queue"
+                    .into(),
+            );
+        }
+        // Stream and consumer names are subject tokens.
+        for (field, name) in [
+            ("stream", self.stream.as_deref().unwrap_or_default()),
+            ("durable", self.durable_name()),
+        ] {
+            if name.contains(['.', '*', '>', ' ', '\t']) {
+                add(
+                    key(field),
+                    format!("{name:?}: NATS names hold no '.', '*', '>' or whitespace"),
+                );
+            }
+        }
+    }
+
+    /// `dead_letter`: `dlx` on RabbitMQ only, and never what is consumed.
+    fn check_dead_letter(&self, key: &dyn Fn(&str) -> String, add: &mut dyn FnMut(String, String)) {
         if self.dead_letter.as_deref() == Some(DEAD_LETTER_EXCHANGE)
             && self.broker() != Some(Broker::Amqp)
         {
@@ -283,15 +366,25 @@ impl ConsumerConfig {
                 );
             }
         }
-        if self.prefetch == 0 {
-            add(key("prefetch"), "must be above zero".into());
+    }
+}
+
+/// Checks every `[[consumers]]` entry on its own, and that each has a name
+/// of its own (a route's name too is refused in `validate.rs`).
+pub(super) fn check_all(
+    consumers: &[ConsumerConfig],
+    upstreams: &BTreeSet<&str>,
+    add: &mut dyn FnMut(String, String),
+) {
+    let mut names = BTreeSet::new();
+    for (i, c) in consumers.iter().enumerate() {
+        let key = |field: &str| format!("consumers[{i}].{field}");
+        if c.name.is_empty() {
+            add(key("name"), "must not be empty".into());
+        } else if !names.insert(c.name.as_str()) {
+            add(key("name"), format!("duplicate consumer name {:?}", c.name));
         }
-        if self.max_deliveries == 0 {
-            add(key("max_deliveries"), "must be above zero".into());
-        }
-        if let Some(reason) = self.retry_delay.problem() {
-            add(key("retry_delay"), reason);
-        }
+        c.check(&key, upstreams, add);
     }
 }
 

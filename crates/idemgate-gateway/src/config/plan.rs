@@ -1,14 +1,19 @@
 //! [`Plan`]: a configuration with everything read from disk or built from
 //! text done once — certificates and keys, the JWKS file, each upstream's
-//! TLS settings, each route's matcher and policy, the CORS policy. Start-up
-//! assembles the gateway from a plan and never reads the file's text
-//! again; validation is what makes one.
+//! TLS settings, each route's matcher and policy, each consumer's source
+//! and key sources, the CORS policy — and one typed entry per route and
+//! per consumer holding what start-up needs of it. Start-up and a reload
+//! assemble the gateway from a plan's entries and never read the file's
+//! text again (only the plain values of `[server]`, `[store]` and
+//! `[tokens]`, through [`Plan::config`]); validation is what makes one.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use idemgate::callback::{CallbackPolicy, KeySource, Verifier};
 use idemgate_core::identity::Identity;
+use idemgate_mq::MessageKeySource;
 use idemgate_proxy::Upstream;
 
 use super::*;
@@ -26,6 +31,8 @@ pub struct Plan {
     pub upstreams: HashMap<String, Upstream>,
     /// Every route, in the file's order.
     pub routes: Vec<RoutePlan>,
+    /// Every consumer, in the file's order.
+    pub consumers: Vec<ConsumerPlan>,
     /// `[server.cors]` (`None`: off).
     pub cors: Option<CorsPolicy>,
     /// The admin API's bearer token (`None`: open, on loopback only).
@@ -69,19 +76,39 @@ impl std::fmt::Debug for Plan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Keys and certificates are not printed.
         f.debug_struct("Plan")
-            .field("routes", &self.config.routes.len())
+            .field("routes", &self.routes.len())
+            .field("consumers", &self.consumers.len())
             .field("upstreams", &self.upstreams.len())
             .field("server_tls", &self.server_tls.is_some())
             .finish_non_exhaustive()
     }
 }
 
-/// One `[[routes]]` entry, built.
+/// One `[[routes]]` entry, built: everything start-up, the record scopes
+/// and the admin API need of it.
 pub struct RoutePlan {
+    /// `routes[].name`: its metrics series, spans and logs.
+    pub name: String,
+    /// The identity its records are kept under (`id`, or the name).
+    pub record_id: String,
+    /// The upstream it forwards to, by name.
+    pub upstream: String,
     /// Which requests it takes.
     pub matcher: RouteMatcher,
     /// What protects it.
     pub policy: PolicyPlan,
+    /// What a duplicate gets while the first is in flight.
+    pub on_concurrent: OnConcurrent,
+    /// The upstream's status endpoint (`{key}` = the stable key), asked
+    /// before an uncertain request is forwarded again.
+    pub reconcile_path: Option<String>,
+    /// What its engine takes from its upstream.
+    pub outcomes: OutcomeSettings,
+    /// Callback routes: the business-key sources as written, part of what
+    /// scopes its records (empty on a sync route).
+    pub business_key: Vec<String>,
+    /// Callback routes on a `path_prefix`: the path is part of the key.
+    pub scoped_by_path: bool,
 }
 
 /// A route's policy, built.
@@ -112,6 +139,35 @@ impl PolicyPlan {
     }
 }
 
+/// One `[[consumers]]` entry, built: its source, path and key sources
+/// parsed, and what its engine takes from its upstream.
+pub struct ConsumerPlan {
+    /// `consumers[].name`: logs, metrics and spans.
+    pub name: String,
+    /// The identity its records are kept under (`id`, or the name).
+    pub record_id: String,
+    /// The upstream each message is delivered to, by name.
+    pub upstream: String,
+    /// The queue or stream, and where its dead letters go.
+    pub source: idemgate_mq::Source,
+    /// Where each message is POSTed.
+    pub path: http::uri::PathAndQuery,
+    /// The business-key sources as written, what scopes its records.
+    pub business_key: Vec<String>,
+    /// `business_key`, parsed.
+    pub sources: Arc<[MessageKeySource]>,
+    /// `must_match`, parsed.
+    pub must_match: Arc<[MessageKeySource]>,
+    /// Messages in flight at once.
+    pub prefetch: u16,
+    /// Failed upstream attempts before a message is dead-lettered.
+    pub max_deliveries: u32,
+    /// How long a failed message waits before it is delivered again.
+    pub retry_delay: Duration,
+    /// What its engine takes from its upstream.
+    pub outcomes: OutcomeSettings,
+}
+
 impl Plan {
     /// Loads `config` without the checks [`Config::validate`] makes of the
     /// values (for a configuration already validated, or built in code).
@@ -133,12 +189,10 @@ impl Plan {
     /// The token routes (`/token?route=NAME` binds to one), each name
     /// with the identity its tokens are bound to.
     pub fn token_routes(&self) -> std::collections::BTreeMap<String, String> {
-        self.config
-            .routes
+        self.routes
             .iter()
-            .zip(&self.routes)
-            .filter(|(_, r)| matches!(r.policy, PolicyPlan::Token))
-            .map(|(c, _)| (c.name.clone(), c.record_id().to_owned()))
+            .filter(|r| matches!(r.policy, PolicyPlan::Token))
+            .map(|r| (r.name.clone(), r.record_id.clone()))
             .collect()
     }
 }
@@ -149,6 +203,7 @@ pub(super) struct Loaded {
     server_tls: Option<Arc<rustls::ServerConfig>>,
     upstreams: HashMap<String, Upstream>,
     routes: Vec<RoutePlan>,
+    consumers: Vec<ConsumerPlan>,
     cors: Option<CorsPolicy>,
     admin_token: Option<AdminToken>,
 }
@@ -161,6 +216,7 @@ impl Loaded {
             server_tls: self.server_tls,
             upstreams: self.upstreams,
             routes: self.routes,
+            consumers: self.consumers,
             cors: self.cors,
             admin_token: self.admin_token,
             in_memory_store_for_tests: false,
@@ -187,10 +243,43 @@ pub(super) fn load(config: &Config, add: &mut dyn FnMut(String, String)) -> Opti
         .map_err(|e| add(e.key.clone(), e.to_string()))
         .ok(),
     };
+    let upstreams = load_upstreams(config, add);
+    let mut routes = Vec::with_capacity(config.routes.len());
+    for (i, r) in config.routes.iter().enumerate() {
+        let key = |field: &str| format!("routes[{i}].{field}");
+        routes.extend(route_plan(config, r, &key, add));
+    }
+    let mut consumers = Vec::with_capacity(config.consumers.len());
+    for (i, c) in config.consumers.iter().enumerate() {
+        let key = |field: &str| format!("consumers[{i}].{field}");
+        consumers.extend(consumer_plan(config, c, &key, add));
+    }
+    let cors = config
+        .server
+        .cors_policy()
+        .map_err(|reason| add("server.cors".into(), reason))
+        .ok();
+    let admin_token = load_admin_token(&config.server, add);
+    Some(Loaded {
+        identity: identity?,
+        server_tls: server_tls?,
+        upstreams: upstreams?,
+        routes: (routes.len() == config.routes.len()).then_some(routes)?,
+        consumers: (consumers.len() == config.consumers.len()).then_some(consumers)?,
+        cors: cors?,
+        admin_token: admin_token?,
+    })
+}
+
+/// Every upstream by name, its TLS files read.
+fn load_upstreams(
+    config: &Config,
+    add: &mut dyn FnMut(String, String),
+) -> Option<HashMap<String, Upstream>> {
     let mut upstreams = HashMap::new();
     let mut all_upstreams = true;
     for (i, u) in config.upstreams.iter().enumerate() {
-        if let Err(reason) = check_upstream_url(&u.url) {
+        if let Err(reason) = super::upstreams::check_upstream_url(&u.url) {
             add(format!("upstreams[{i}].url"), reason);
             all_upstreams = false;
             continue;
@@ -205,50 +294,103 @@ pub(super) fn load(config: &Config, add: &mut dyn FnMut(String, String)) -> Opti
             }
         }
     }
-    let mut routes = Vec::with_capacity(config.routes.len());
-    for (i, r) in config.routes.iter().enumerate() {
-        let key = |field: &str| format!("routes[{i}].{field}");
-        let matcher = r.matcher().map_err(|reason| add(key("path"), reason)).ok();
-        let policy = policy_of(r, &key, add);
-        if let (Some(matcher), Some(policy)) = (matcher, policy) {
-            routes.push(RoutePlan { matcher, policy });
-        }
-    }
-    let cors = config
-        .server
-        .cors_policy()
-        .map_err(|reason| add("server.cors".into(), reason))
-        .ok();
-    let admin_token = match &config.server.admin_token_file {
-        None => Some(AdminToken::new(&config.server.admin_token)),
-        Some(path) => match std::fs::read_to_string(path) {
-            Ok(text) => match AdminToken::new(text.lines().next().unwrap_or_default()) {
-                Some(token) => Some(Some(token)),
-                None => {
-                    add(
-                        "server.admin_token_file".into(),
-                        format!("{path:?} holds no token on its first line"),
-                    );
-                    None
-                }
-            },
-            Err(e) => {
+    all_upstreams.then_some(upstreams)
+}
+
+/// The admin token: `admin_token`, or the first line of
+/// `admin_token_file` (`Some(None)`: none configured).
+fn load_admin_token(
+    server: &ServerConfig,
+    add: &mut dyn FnMut(String, String),
+) -> Option<Option<AdminToken>> {
+    let Some(path) = &server.admin_token_file else {
+        return Some(AdminToken::new(&server.admin_token));
+    };
+    match std::fs::read_to_string(path) {
+        Ok(text) => match AdminToken::new(text.lines().next().unwrap_or_default()) {
+            Some(token) => Some(Some(token)),
+            None => {
                 add(
                     "server.admin_token_file".into(),
-                    format!("cannot read {path:?}: {e}"),
+                    format!("{path:?} holds no token on its first line"),
                 );
                 None
             }
         },
-    };
-    Some(Loaded {
-        identity: identity?,
-        server_tls: server_tls?,
-        upstreams: all_upstreams.then_some(upstreams)?,
-        routes: (routes.len() == config.routes.len()).then_some(routes)?,
-        cors: cors?,
-        admin_token: admin_token?,
+        Err(e) => {
+            add(
+                "server.admin_token_file".into(),
+                format!("cannot read {path:?}: {e}"),
+            );
+            None
+        }
+    }
+}
+
+/// A route's entry: its matcher and policy built, and what its engine
+/// takes from its upstream (the defaults for an upstream that is not
+/// configured: validation refuses it, and a start from code fails on it).
+fn route_plan(
+    config: &Config,
+    r: &RouteConfig,
+    key: &dyn Fn(&str) -> String,
+    add: &mut dyn FnMut(String, String),
+) -> Option<RoutePlan> {
+    let matcher = r.matcher().map_err(|reason| add(key("path"), reason)).ok();
+    let policy = policy_of(r, key, add);
+    Some(RoutePlan {
+        name: r.name.clone(),
+        record_id: r.record_id().to_owned(),
+        upstream: r.upstream.clone(),
+        matcher: matcher?,
+        policy: policy?,
+        on_concurrent: r.on_concurrent,
+        reconcile_path: r.reconcile_path.clone(),
+        outcomes: outcomes_of(config, &r.upstream),
+        business_key: r.business_key.clone(),
+        scoped_by_path: r.path_prefix.is_some(),
     })
+}
+
+/// A consumer's entry: its source, path and key sources read.
+fn consumer_plan(
+    config: &Config,
+    c: &ConsumerConfig,
+    key: &dyn Fn(&str) -> String,
+    add: &mut dyn FnMut(String, String),
+) -> Option<ConsumerPlan> {
+    let source = c.mq_source();
+    if source.is_none() {
+        add(key("source"), c.unknown_source());
+    }
+    let path = c
+        .upstream_path()
+        .map_err(|reason| add(key("path"), reason))
+        .ok();
+    let (sources, must_match) = c.key_sources(key, add)?;
+    Some(ConsumerPlan {
+        name: c.name.clone(),
+        record_id: c.record_id().to_owned(),
+        upstream: c.upstream.clone(),
+        source: source?,
+        path: path?,
+        business_key: c.business_key.clone(),
+        sources: sources.into(),
+        must_match: must_match.into(),
+        prefetch: c.prefetch,
+        max_deliveries: c.max_deliveries,
+        retry_delay: c.retry_delay.get(),
+        outcomes: outcomes_of(config, &c.upstream),
+    })
+}
+
+/// What an engine in front of the upstream `name` takes from it (the
+/// defaults for one that is not configured).
+fn outcomes_of(config: &Config, name: &str) -> OutcomeSettings {
+    config
+        .upstream(name)
+        .map(UpstreamConfig::outcome_settings)
+        .unwrap_or_default()
 }
 
 /// A route's policy, its key sources parsed and its verifier built (the
@@ -288,21 +430,4 @@ fn policy_of(
             Some(PolicyPlan::Callback(policy))
         }
     }
-}
-
-/// An upstream URL: `http://` or `https://`, a host, no path or query.
-pub(super) fn check_upstream_url(raw: &str) -> Result<(), String> {
-    let url = url::Url::parse(raw).map_err(|e| format!("{raw:?} is not a URL: {e}"))?;
-    if url.scheme() != "http" && url.scheme() != "https" {
-        return Err(format!("{raw:?}: an upstream is http:// or https://"));
-    }
-    if url.host_str().is_none() {
-        return Err(format!("{raw:?} has no host"));
-    }
-    if !(url.path().is_empty() || url.path() == "/") || url.query().is_some() {
-        return Err(format!(
-            "{raw:?}: an upstream URL is scheme, host and port only; request paths are forwarded unchanged"
-        ));
-    }
-    Ok(())
 }

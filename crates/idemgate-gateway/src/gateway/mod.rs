@@ -18,7 +18,7 @@ use idemgate_server::{ConnLimits, ShutdownTrigger};
 use idemgate_store::Store;
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, Plan, RoutePlan};
+use crate::config::{Config, ConsumerPlan, Plan, RoutePlan};
 
 mod consumers;
 mod reload;
@@ -145,7 +145,7 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
-    let budgets = descriptor_budgets(&plan.config, threads);
+    let budgets = descriptor_budgets(&plan, threads);
     metrics.claims_limit.store(
         budgets.max_claims as u64,
         std::sync::atomic::Ordering::Relaxed,
@@ -197,8 +197,8 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
     tracing::info!(
         %public_addr,
         %admin_addr,
-        routes = shared.config.routes.len(),
-        consumers = shared.config.consumers.len(),
+        routes = shared.routes.len(),
+        consumers = shared.consumers.len(),
         workers = threads,
         sql = records.store.sql().backend(),
         fast_layer = records.store.fast_layer_name(),
@@ -291,6 +291,8 @@ struct Shared {
     config: Config,
     /// Every route, built.
     routes: Vec<RoutePlan>,
+    /// Every consumer, built.
+    consumers: Vec<ConsumerPlan>,
     cors: Option<crate::router::CorsPolicy>,
     /// `[server.tls]`, loaded.
     server_tls: Option<Arc<rustls::ServerConfig>>,
@@ -340,6 +342,7 @@ impl Shared {
             server_tls,
             upstreams,
             routes,
+            consumers,
             cors,
             admin_token,
             in_memory_store_for_tests: _,
@@ -357,6 +360,7 @@ impl Shared {
             admin_token,
             upstream_cap: budgets.upstream_connections,
             routes,
+            consumers,
             cors,
             server_tls,
             upstreams,
@@ -396,16 +400,14 @@ fn admin_state(shared: &Shared, store: &Store) -> crate::admin::AdminState {
         answer_budget: shared.answer_budget.clone(),
         record_ids: Arc::new(
             shared
-                .config
                 .routes
                 .iter()
-                .map(|r| (r.name.clone(), r.record_id().to_owned()))
+                .map(|r| (r.name.clone(), r.record_id.clone()))
                 .chain(
                     shared
-                        .config
                         .consumers
                         .iter()
-                        .map(|c| (c.name.clone(), c.record_id().to_owned())),
+                        .map(|c| (c.name.clone(), c.record_id.clone())),
                 )
                 .collect(),
         ),
@@ -430,18 +432,19 @@ fn serve_admin(
 
 /// The descriptor limit (raised to its hard limit first) and the budgets it
 /// allows, said once in the log when it lowers what the file asks for.
-fn descriptor_budgets(config: &Config, workers: usize) -> idemgate_core::limits::Budgets {
+fn descriptor_budgets(plan: &Plan, workers: usize) -> idemgate_core::limits::Budgets {
+    let config = &plan.config;
     let limit = idemgate_core::limits::raise_descriptor_limit();
     // The store's pools, Redis (one per worker and the main runtime), and
     // each consumer's broker connection and dead-letter channel.
     let reserve = idemgate_core::limits::BASE_RESERVE
         + config.store.pool_size as usize * 2
         + (workers + 1) * 2
-        + config.consumers.len() * 4;
+        + plan.consumers.len() * 4;
     let budgets = idemgate_core::limits::budgets(
         limit,
         reserve,
-        config.upstreams.len(),
+        plan.upstreams.len(),
         config.server.max_connections,
         config.server.max_claims,
     );

@@ -105,8 +105,8 @@ impl RunningGateway {
         tracing::info!(
             config = %origin,
             fingerprint = %fingerprint,
-            routes = self.shared.config.routes.len(),
-            consumers = self.shared.config.consumers.len(),
+            routes = self.shared.routes.len(),
+            consumers = self.shared.consumers.len(),
             layer = "reload",
             "configuration reloaded"
         );
@@ -201,6 +201,7 @@ impl Shared {
             server_tls: _,
             upstreams,
             routes,
+            consumers,
             cors,
             admin_token,
             in_memory_store_for_tests: _,
@@ -220,6 +221,7 @@ impl Shared {
             .collect();
         Shared {
             routes,
+            consumers,
             cors,
             server_tls: self.server_tls.clone(),
             upstreams,

@@ -1,5 +1,7 @@
 //! One tower stack per route — a policy layer over a proxy to the
 //! route's upstream — and the `/token` endpoint, as one worker's router.
+//! Built from the plan's route entries alone: what the file said was read
+//! and checked once, when the plan was made.
 
 use std::sync::Arc;
 
@@ -10,7 +12,7 @@ use idemgate_store::Store;
 use tower::Layer;
 
 use super::{Shared, StartError};
-use crate::config::{PathMatch, PolicyPlan, RouteMatcher};
+use crate::config::{PathMatch, PolicyPlan, RouteMatcher, RoutePlan};
 use crate::router::{Route, RouteService, Router, TowerHandler};
 use crate::status_endpoint::StatusEndpoint;
 
@@ -28,27 +30,27 @@ pub(super) fn build_router(shared: &Shared, store: &Store) -> Result<Router, Sta
         })
         .collect();
     let mut routes = Vec::with_capacity(shared.routes.len());
-    for (r, plan) in shared.config.routes.iter().zip(&shared.routes) {
+    for route in &shared.routes {
         let (upstream, pool) =
             pools
-                .get(r.upstream.as_str())
+                .get(route.upstream.as_str())
                 .cloned()
                 .ok_or_else(|| StartError::Route {
-                    route: r.name.clone(),
-                    reason: format!("unknown upstream {:?}", r.upstream),
+                    route: route.name.clone(),
+                    reason: format!("unknown upstream {:?}", route.upstream),
                 })?;
         let proxy = Proxy::new(
             pool,
             upstream,
             shared.config.server.max_body_bytes,
-            shared.metrics.upstream(&r.upstream),
+            shared.metrics.upstream(&route.upstream),
         );
         routes.push(Route {
-            name: r.name.as_str().into(),
-            matcher: plan.matcher.clone(),
-            service: route_service(shared, store, r, &plan.policy, proxy),
-            counters: shared.metrics.route(&r.name),
-            policy: plan.policy.name(),
+            name: route.name.as_str().into(),
+            matcher: route.matcher.clone(),
+            service: route_service(shared, store, route, proxy),
+            counters: shared.metrics.route(&route.name),
+            policy: route.policy.name(),
         });
     }
     Ok(Router::with_cors(
@@ -60,15 +62,8 @@ pub(super) fn build_router(shared: &Shared, store: &Store) -> Result<Router, Sta
 
 /// A route's stack: its proxy alone, or its policy and the engine in front
 /// of it.
-fn route_service(
-    shared: &Shared,
-    store: &Store,
-    r: &crate::config::RouteConfig,
-    policy: &PolicyPlan,
-    proxy: Proxy,
-) -> RouteService {
-    let upstream = shared.config.upstream(&r.upstream);
-    let reconcile = r
+fn route_service(shared: &Shared, store: &Store, route: &RoutePlan, proxy: Proxy) -> RouteService {
+    let reconcile = route
         .reconcile_path
         .as_deref()
         .map(|path| Arc::new(StatusEndpoint::new(proxy.clone(), path)) as Arc<dyn Reconcile>);
@@ -79,23 +74,23 @@ fn route_service(
                 max_body_bytes: shared.config.server.max_body_bytes,
                 body_read_timeout: shared.config.server.body_read_timeout.get(),
                 max_stored_body_bytes: shared.config.store.max_stored_body_bytes,
-                on_concurrent: r.on_concurrent,
-                wait_limit: upstream.map(|u| u.timeout.get()).unwrap_or_default(),
-                uncertain_hold: upstream.map(|u| u.uncertain_hold()).unwrap_or_default(),
-                uncertain_statuses: upstream.map(|u| u.uncertain_statuses()).unwrap_or_default(),
+                on_concurrent: route.on_concurrent,
+                wait_limit: route.outcomes.wait_limit,
+                uncertain_hold: route.outcomes.uncertain_hold,
+                uncertain_statuses: route.outcomes.uncertain_statuses,
                 reconcile: reconcile.clone(),
                 budget: shared.budget.clone(),
                 body_budget: shared.body_budget.clone(),
                 answer_budget: shared.answer_budget.clone(),
                 // Records are kept under the route's identity, which a
                 // rename may keep (`routes[].id`).
-                ..EngineSettings::new(r.record_id(), shared.identity.clone())
+                ..EngineSettings::new(&route.record_id, shared.identity.clone())
             },
             shared.metrics.clone(),
             shared.holders.clone(),
         )
     };
-    match policy {
+    match &route.policy {
         PolicyPlan::PassThrough => Arc::new(proxy),
         PolicyPlan::Key { require_key } => Arc::new(TowerHandler(
             IdempotencyLayer::new(engine(), KeyPolicy::new(*require_key)).layer(proxy),
@@ -103,7 +98,7 @@ fn route_service(
         PolicyPlan::Token => Arc::new(TowerHandler(
             IdempotencyLayer::new(
                 engine(),
-                TokenPolicy::new(shared.token_keys.clone(), r.record_id()),
+                TokenPolicy::new(shared.token_keys.clone(), &route.record_id),
             )
             .layer(proxy),
         )),
@@ -141,20 +136,19 @@ fn token_route(shared: &Shared) -> Route {
 /// (the admin listener's), and its upstream's timeout.
 pub(super) fn reconcilers(shared: &Shared) -> crate::admin::Reconcilers {
     shared
-        .config
         .routes
         .iter()
-        .filter_map(|r| {
-            let path = r.reconcile_path.as_deref()?;
-            let upstream = shared.upstreams.get(&r.upstream)?;
+        .filter_map(|route| {
+            let path = route.reconcile_path.as_deref()?;
+            let upstream = shared.upstreams.get(&route.upstream)?;
             let proxy = Proxy::new(
                 upstream.pool(),
                 upstream.clone(),
                 shared.config.server.max_body_bytes,
-                shared.metrics.upstream(&r.upstream),
+                shared.metrics.upstream(&route.upstream),
             );
             let endpoint = Arc::new(StatusEndpoint::new(proxy, path)) as Arc<dyn Reconcile>;
-            Some((r.record_id().to_owned(), (endpoint, upstream.timeout)))
+            Some((route.record_id.clone(), (endpoint, upstream.timeout)))
         })
         .collect()
 }

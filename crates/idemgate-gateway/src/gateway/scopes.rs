@@ -38,25 +38,27 @@ impl Plan {
                 },
             );
         };
-        for (r, built) in self.config.routes.iter().zip(&self.routes) {
-            match &built.policy {
+        for route in &self.routes {
+            match &route.policy {
                 PolicyPlan::PassThrough => {}
-                PolicyPlan::Key { .. } => add(r.record_id(), format!("key;identity={identity}")),
+                PolicyPlan::Key { .. } => {
+                    add(route.record_id.as_str(), format!("key;identity={identity}"))
+                }
                 // A token is bound to its client's scope when issued.
                 PolicyPlan::Token => add(TOKEN_RECORDS, format!("token;identity={identity}")),
                 PolicyPlan::Callback(_) => add(
-                    r.record_id(),
+                    route.record_id.as_str(),
                     format!(
                         "callback;business_key={};by_path={}",
-                        r.business_key.join(","),
-                        r.path_prefix.is_some()
+                        route.business_key.join(","),
+                        route.scoped_by_path
                     ),
                 ),
             }
         }
-        for c in &self.config.consumers {
+        for c in &self.consumers {
             add(
-                c.record_id(),
+                c.record_id.as_str(),
                 format!("consumer;business_key={}", c.business_key.join(",")),
             );
         }
@@ -120,28 +122,24 @@ fn problem(plan: &Plan, o: &Orphaned) -> Problem {
         o.live
     );
     let keepers: Vec<String> = if o.route == TOKEN_RECORDS {
-        plan.config
-            .routes
+        plan.routes
             .iter()
             .enumerate()
-            .zip(&plan.routes)
-            .filter(|(_, built)| matches!(built.policy, PolicyPlan::Token))
-            .map(|((i, r), _)| format!("routes[{i}] ({:?})", r.name))
+            .filter(|(_, r)| matches!(r.policy, PolicyPlan::Token))
+            .map(|(i, r)| format!("routes[{i}] ({:?})", r.name))
             .collect()
     } else {
         let routes = plan
-            .config
             .routes
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.record_id() == o.route)
+            .filter(|(_, r)| r.record_id == o.route)
             .map(|(i, r)| format!("routes[{i}] ({:?})", r.name));
         let consumers = plan
-            .config
             .consumers
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.record_id() == o.route)
+            .filter(|(_, c)| c.record_id == o.route)
             .map(|(i, c)| format!("consumers[{i}] ({:?})", c.name));
         routes.chain(consumers).collect()
     };
