@@ -1,10 +1,12 @@
 //! Cargo refuses an import that points from one crate back up to another;
 //! this test keeps the same rule inside each crate. For every crate of the
-//! workspace it draws two graphs from the code (comments and test modules
-//! aside): the crate's top-level modules (`crate::x`), and the children of
-//! each directory module (`super::x` between siblings), and fails on any
-//! cycle, naming it. The engine once imported its holder, which imported
-//! the engine.
+//! workspace it draws, from the code (comments and test modules aside), a
+//! graph of each module's children — the crate's top-level modules, and
+//! the children of each directory module — with an edge wherever one child
+//! names another, by a `crate::` path or a `super::` chain (`super::x` of a
+//! top-level module is the crate's `x`), and fails on any cycle, naming
+//! it. The engine once imported its holder, which imported the engine; the
+//! store's SQL module once imported its statements, which imported it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -18,19 +20,6 @@ fn code_of(text: &str) -> String {
         .filter(|l| !l.trim_start().starts_with("//"))
         .collect::<Vec<_>>()
         .join("\n")
-}
-
-/// The module names that follow `prefix` in `code`.
-fn targets(code: &str, prefix: &str) -> BTreeSet<String> {
-    code.match_indices(prefix)
-        .map(|(i, _)| {
-            code[i + prefix.len()..]
-                .chars()
-                .take_while(|c| c.is_ascii_lowercase() || *c == '_' || c.is_ascii_digit())
-                .collect::<String>()
-        })
-        .filter(|to| !to.is_empty())
-        .collect()
 }
 
 fn rust_files(dir: &Path) -> Vec<PathBuf> {
@@ -49,59 +38,131 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// The name of the module `file` belongs to, at `depth` below `root`
-/// (`a/b.rs` and `a/b/mod.rs` at depth 1 are `b`; at depth 0, `a`).
-fn module_at(file: &Path, root: &Path) -> Option<String> {
-    let rel = file.strip_prefix(root).ok()?;
-    let first = rel.components().next()?.as_os_str().to_string_lossy();
-    Some(first.trim_end_matches(".rs").to_owned())
+/// The module path of `file` below `src` (`sql/records.rs` and
+/// `sql/records/mod.rs` are `["sql", "records"]`; `lib.rs` is `[]`).
+fn module_path(file: &Path, src: &Path) -> Vec<String> {
+    let rel = file.strip_prefix(src).unwrap();
+    let mut path: Vec<String> = rel
+        .components()
+        .map(|c| {
+            c.as_os_str()
+                .to_string_lossy()
+                .trim_end_matches(".rs")
+                .to_owned()
+        })
+        .collect();
+    if path.last().is_some_and(|l| l == "mod") {
+        path.pop();
+    }
+    if path.len() == 1 && ["lib", "main"].contains(&path[0].as_str()) {
+        path.clear();
+    }
+    path
 }
 
-/// The graphs of one crate: its top-level modules, then each directory
-/// module's children.
-fn graphs(src: &Path) -> Vec<(String, Graph)> {
-    let mut all = Vec::new();
-    let mut top = Graph::new();
-    for file in rust_files(src) {
-        let Some(from) = module_at(&file, src) else {
+/// Every module path `code` (of the module at `at`) names: `crate::a::b`,
+/// and `super::…` chains resolved from `at` (`super::super::x` of
+/// `sql/records` is the crate's `x`).
+fn references(code: &str, at: &[String]) -> Vec<Vec<String>> {
+    let word = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_lowercase() || *c == '_' || c.is_ascii_digit())
+            .collect()
+    };
+    let path_after = |mut rest: &str| -> Vec<String> {
+        let mut names = Vec::new();
+        loop {
+            let name = word(rest);
+            if name.is_empty() {
+                return names;
+            }
+            rest = &rest[name.len()..];
+            names.push(name);
+            match rest.strip_prefix("::") {
+                Some(more) => rest = more,
+                None => return names,
+            }
+        }
+    };
+    let mut found = Vec::new();
+    for (i, _) in code.match_indices("crate::") {
+        // `idemgate_crate::…` and the like are other paths.
+        if code[..i].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
             continue;
-        };
-        if ["lib", "main", "bin"].contains(&from.as_str()) {
+        }
+        found.push(path_after(&code[i + "crate::".len()..]));
+    }
+    let mut from = 0;
+    while let Some(i) = code[from..].find("super::") {
+        let start = from + i;
+        if code[..start].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':') {
+            // The tail of a chain already read.
+            from = start + "super::".len();
+            continue;
+        }
+        let mut rest = &code[start..];
+        let mut ups = 0;
+        while let Some(more) = rest.strip_prefix("super::") {
+            ups += 1;
+            rest = more;
+        }
+        from = code.len() - rest.len();
+        if ups <= at.len() {
+            let mut target = at[..at.len() - ups].to_vec();
+            target.extend(path_after(rest));
+            found.push(target);
+        }
+    }
+    found
+}
+
+/// The graphs of one crate: for every module, the graph of its children —
+/// the crate's top-level modules, then each directory module's — with an
+/// edge wherever code inside one child names another, by `crate::` or by
+/// `super::` (parents may use their children: a child's parent is not its
+/// sibling).
+fn graphs(src: &Path) -> Vec<(String, Graph)> {
+    let mut by_parent: BTreeMap<Vec<String>, Graph> = BTreeMap::new();
+    for file in rust_files(src) {
+        let at = module_path(&file, src);
+        if at.is_empty() || at[0] == "bin" {
             continue;
         }
         let code = code_of(&std::fs::read_to_string(&file).unwrap());
-        let to = top.entry(from.clone()).or_default();
-        to.extend(targets(&code, "crate::").into_iter().filter(|t| *t != from));
-    }
-    all.push((src.display().to_string(), top));
-    for dir in rust_files(src)
-        .iter()
-        .filter_map(|f| f.parent().map(Path::to_path_buf))
-        .collect::<BTreeSet<_>>()
-    {
-        if dir == src {
-            continue;
+        // The module itself is a node of its parent's graph.
+        for k in 0..at.len() {
+            by_parent
+                .entry(at[..k].to_vec())
+                .or_default()
+                .entry(at[k].clone())
+                .or_default();
         }
-        let mut siblings = Graph::new();
-        for file in std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()) {
-            if file.extension().is_none_or(|e| e != "rs") {
-                continue;
+        for target in references(&code, &at) {
+            // Where the two paths part: an edge between siblings there.
+            let shared = at.iter().zip(&target).take_while(|(a, b)| a == b).count();
+            if shared < at.len() && shared < target.len() {
+                by_parent
+                    .entry(at[..shared].to_vec())
+                    .or_default()
+                    .entry(at[shared].clone())
+                    .or_default()
+                    .insert(target[shared].clone());
             }
-            let from = file.file_stem().unwrap().to_string_lossy().into_owned();
-            if from == "mod" {
-                continue;
-            }
-            let code = code_of(&std::fs::read_to_string(&file).unwrap());
-            let to = siblings.entry(from.clone()).or_default();
-            to.extend(targets(&code, "super::").into_iter().filter(|t| *t != from));
         }
-        let names: BTreeSet<String> = siblings.keys().cloned().collect();
-        for to in siblings.values_mut() {
-            to.retain(|t| names.contains(t));
-        }
-        all.push((dir.display().to_string(), siblings));
     }
-    all
+    by_parent
+        .into_iter()
+        .map(|(parent, mut graph)| {
+            // Only modules of this parent are nodes (a name that is an item,
+            // not a module, names nothing here).
+            let names: BTreeSet<String> = graph.keys().cloned().collect();
+            for to in graph.values_mut() {
+                to.retain(|t| names.contains(t));
+            }
+            let name = src.join(parent.join("/")).display().to_string();
+            (name, graph)
+        })
+        .collect()
 }
 
 /// A cycle through `start`, if there is one.

@@ -14,7 +14,9 @@
 
 use std::borrow::Cow;
 
-use sqlx::migrate::{Migrate, MigrateError, Migration, MigrationType, Migrator};
+#[cfg(feature = "postgres")]
+use sqlx::migrate::Migrate;
+use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{Connection, SqlSafeStr};
 
 /// The table that records which of Idemgate's migrations ran.

@@ -23,6 +23,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
+#[cfg(any(feature = "postgres", feature = "redis"))]
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -39,8 +40,10 @@ pub const PG_CHANNEL: &str = "idemgate_settled";
 pub const REDIS_CHANNEL_SUFFIX: &str = "settled";
 
 /// First pause before a listener reconnects; it doubles.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 const RECONNECT_START: Duration = Duration::from_millis(100);
 /// Longest pause between two listener connection attempts.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 /// The hash a notification names a record by.
@@ -213,6 +216,7 @@ impl Settlements {
 }
 
 /// Whether the process still has a store; wakes everyone after a gap.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 fn alive(weak: &Weak<Settlements>, missed: bool) -> bool {
     match weak.upgrade() {
         Some(settlements) => {
@@ -341,6 +345,7 @@ pub fn redis_channel(prefix: &str) -> String {
     format!("{prefix}{REDIS_CHANNEL_SUFFIX}")
 }
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 fn backoff(failures: u32) -> Duration {
     RECONNECT_START
         .saturating_mul(1 << failures.min(16))

@@ -57,7 +57,7 @@ async fn sweep_from(
         // Rows that expired before the window are forgotten (swept above).
         let mut from = match *watermark {
             Some(from) => from,
-            None => super::now_ms() - super::statements::millis(sql.tombstone()),
+            None => super::now_ms() - crate::record::millis(sql.tombstone()),
         };
         loop {
             let (stripped, next) = sql.strip_batch(from).await?;
@@ -104,7 +104,7 @@ pub fn spawn(
             if let Err(e) = sql.trim_purges(super::purges::KEEP_FOR).await {
                 tracing::debug!(error = %e, layer = "sql", "trimming the purge log failed; will retry");
             }
-            let before = super::now_ms() - super::statements::millis(UNCERTAIN_LOG_KEEP);
+            let before = super::now_ms() - crate::record::millis(UNCERTAIN_LOG_KEEP);
             if let Err(e) = sql.trim_uncertain_log(before).await {
                 tracing::debug!(error = %e, layer = "sql", "trimming the uncertain log failed; will retry");
             }

@@ -89,6 +89,7 @@ enum Writes {
     /// SQLite: its one connection writes in turn whatever the lanes, so
     /// one writer takes both kinds and commits them together — one
     /// transaction and one fsync where two writers took two.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Together(Batcher<Write, Written>),
 }
 

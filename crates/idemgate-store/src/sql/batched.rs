@@ -9,11 +9,11 @@ use sqlx::Row;
 
 use super::super::codec::encode_headers;
 use super::super::held::HeldConnection;
-use super::super::statements::millis;
-#[cfg(feature = "sqlite")]
-use super::super::statements::{SQLITE_ROWS, sqlite_claim_rows, sqlite_complete_rows};
 use super::super::{RecordKey, StoreError, StoredResponse};
+#[cfg(feature = "sqlite")]
+use super::statements::{SQLITE_ROWS, sqlite_claim_rows, sqlite_complete_rows};
 use super::{Pool, SqlStore, left};
+use crate::record::millis;
 
 /// The single-claim statement (`claim_insert`) with one claim's
 /// parameters bound (Postgres; SQLite writes even one claim as a batch).
@@ -39,6 +39,9 @@ impl SqlStore {
     /// where the row was inserted, i.e. the claim was won. A key twice in one batch
     /// is inserted for its first job only; the second then meets the row
     /// like any duplicate.
+    // `held` (and the lease and retention bound as parameters) only
+    // Postgres reads.
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub(crate) async fn insert_claims(
         &self,
         batch: &[NewClaim],
@@ -137,6 +140,7 @@ impl SqlStore {
     /// Stores many outcomes at once (see [`crate::batch`]); for each, the
     /// retention left and whether a duplicate waits for it, or `None` where
     /// the epoch no longer holds the claim.
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub(crate) async fn complete_many(
         &self,
         batch: &[Completion],

@@ -14,8 +14,8 @@ use std::time::Duration;
 use sqlx::Row;
 
 use super::super::StoreError;
-use super::super::statements::millis;
 use super::{Pool, SqlStore};
+use crate::record::millis;
 
 /// How long one maintenance statement may run.
 const MAINTENANCE_BOUND: Duration = Duration::from_secs(600);
@@ -53,8 +53,8 @@ impl SqlStore {
         let Pool::Postgres(pool) = &self.pool else {
             return Ok(0);
         };
-        let span = millis(self.partition_span);
-        let ahead = millis(self.retention) + span * i64::from(SPANS_AHEAD);
+        let span = millis(self.postgres.partition_span);
+        let ahead = millis(self.postgres.retention) + span * i64::from(SPANS_AHEAD);
         let made: i32 = self
             .maintenance("partitions", pool, async |conn| {
                 sqlx::query(EXTEND)
@@ -84,8 +84,8 @@ impl SqlStore {
         conn: &mut sqlx::PgConnection,
         retention: Duration,
     ) -> Result<(), sqlx::Error> {
-        let span = millis(self.partition_span);
-        let ahead = millis(retention.max(self.retention)) + span * i64::from(SPANS_AHEAD);
+        let span = millis(self.postgres.partition_span);
+        let ahead = millis(retention.max(self.postgres.retention)) + span * i64::from(SPANS_AHEAD);
         tracing::warn!(
             layer = "sql",
             "a claim found no record partition for its expiry (is every sweeper stopped?); making them now"

@@ -20,9 +20,9 @@ use std::sync::LazyLock;
 
 use sqlx::Row;
 
-use super::super::statements::millis;
 use super::{Pool, SqlStore};
 use crate::StoreError;
+use crate::record::millis;
 
 /// What a configuration says of one record namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,11 +62,9 @@ struct Statements {
 }
 
 #[cfg(feature = "postgres")]
-static POSTGRES: LazyLock<Statements> =
-    LazyLock::new(|| statements(super::super::statements::PG_NOW));
+static POSTGRES: LazyLock<Statements> = LazyLock::new(|| statements(super::statements::PG_NOW));
 #[cfg(feature = "sqlite")]
-static SQLITE: LazyLock<Statements> =
-    LazyLock::new(|| statements(super::super::statements::SQLITE_NOW));
+static SQLITE: LazyLock<Statements> = LazyLock::new(|| statements(super::statements::SQLITE_NOW));
 
 fn statements(now: &str) -> Statements {
     Statements {

@@ -16,17 +16,21 @@
 
 use std::sync::LazyLock;
 
-use super::sql::SWEEP_BATCH;
+/// Rows moved per sweep statement: small enough that a sweep never holds
+/// locks for long, large enough to keep up.
+pub const SWEEP_BATCH: i64 = 500;
 
 /// The statements of one database.
 pub(super) struct Statements {
     /// Postgres only: `$1 scope, $2 route, $3 key, $4 fingerprint, $5 lease
     /// ms, $6 request id, $7 retention ms` → `epoch, expires_at` when
     /// inserted.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub claim_insert: String,
     /// Postgres only: the batched insert over arrays `$1..$4, $6` with the
     /// scalar `$5 lease ms, $7 retention ms` → the keys inserted, their
     /// epochs and expiries.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub claim_insert_many: String,
     /// Takes over a record that may be claimed again (the insert's
     /// parameters, and `$8 tombstone ms`) → the new epoch, the expiry, and
@@ -67,6 +71,7 @@ pub(super) struct Statements {
     /// duplicate is waiting.
     pub complete: String,
     /// Postgres only: many completions over arrays `$1..$9`.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub complete_many: String,
     /// [`Self::complete`] for an `uncertain` record whose upstream said the
     /// action ran (reconciliation), fenced by the uncertain epoch.
@@ -100,12 +105,15 @@ pub(super) struct Statements {
     pub sweep_delete: String,
     /// Postgres: move forgotten rows (`$1 tombstone ms`) of the partition
     /// `{table}` to the archive in one statement.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub sweep_archive_pg: String,
     /// SQLite: copy the rows forgotten at time `$1` (`$2 tombstone ms`;
     /// then `sweep_delete_at` with the same `$1`, in one transaction: both
     /// must see the same rows, so the time is read once and bound).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub sweep_archive_copy_sqlite: String,
     /// `sweep_delete` with the time bound as `$1`, `$2 tombstone ms`.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub sweep_delete_at: String,
     /// Tombstones: drops the stored answer of a batch of rows whose
     /// retention ended at or after `$1` and by `$2` (the database's now,
@@ -118,11 +126,16 @@ pub(super) struct Statements {
 
 /// Postgres's clock, in milliseconds; `clock_timestamp()` is the time the
 /// expression runs (after any lock wait), not the transaction's start.
+#[cfg(feature = "postgres")]
 pub(crate) const PG_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+#[cfg(feature = "postgres")]
 const PG_EPOCH: &str = "(extract(epoch from clock_timestamp()) * 1000000)::bigint";
+#[cfg(feature = "sqlite")]
 pub(crate) const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+#[cfg(feature = "sqlite")]
 const SQLITE_EPOCH: &str = "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)";
 
+#[cfg(feature = "postgres")]
 pub(super) static POSTGRES: LazyLock<Statements> = LazyLock::new(|| {
     // The record table is partitioned by expiry: a row inserted anywhere
     // goes through the functions of `migrations/postgres/0006_partitions.sql`,
@@ -140,6 +153,7 @@ pub(super) static POSTGRES: LazyLock<Statements> = LazyLock::new(|| {
         ..Statements::with_clock(PG_NOW, PG_EPOCH)
     }
 });
+#[cfg(feature = "sqlite")]
 pub(super) static SQLITE: LazyLock<Statements> = LazyLock::new(|| {
     let mut sqlite = Statements::with_clock(SQLITE_NOW, SQLITE_EPOCH);
     sqlite.sweep_delete = sqlite
@@ -416,11 +430,6 @@ impl Statements {
             ),
         }
     }
-}
-
-/// Milliseconds of a duration, for the statements' duration parameters.
-pub(crate) fn millis(d: std::time::Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
 
 /// Rows per statement of SQLite's batched writes. A batch is written as a

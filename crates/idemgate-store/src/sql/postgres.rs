@@ -1,0 +1,116 @@
+//! Postgres: connecting (statement timeout, generic plans, READ
+//! COMMITTED, the store's own schema) and what only Postgres does.
+
+use std::str::FromStr;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use std::time::Duration;
+
+use sqlx::postgres::PgPool;
+
+use super::{SqlSettings, SqlStore, check_schema};
+use crate::StoreError;
+use crate::held::HeldConnection;
+
+/// How long Postgres may work on one statement. With the wait for a pooled
+/// connection ([`acquire_bound`]) it stays under `store.timeout`, so that the database gives up (and rolls back) before
+/// the gateway does: a statement the gateway stopped waiting for must not
+/// commit behind its back (a claim committed that way would be held, with
+/// nobody to forward it, for a whole lease).
+fn server_side_bound(timeout: Duration) -> Duration {
+    timeout * 7 / 10
+}
+
+/// How long an operation may wait for a pooled Postgres connection before
+/// it is refused unsent. (SQLite's one connection is shared by every
+/// operation and waits up to `store.timeout`; its busy timeout is 4/5 of
+/// it.)
+fn acquire_bound(timeout: Duration) -> Duration {
+    timeout / 5
+}
+
+/// A pooled Postgres connection idle longer than this is pinged before use
+/// (one that died meanwhile is replaced instead of failing a batch).
+const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
+
+impl SqlStore {
+    /// Runs one batch statement on Postgres: on the batch writer's kept
+    /// connection when the pool has room to keep one, else on a pooled one.
+    pub(super) async fn on_batch_connection<T>(
+        &self,
+        pool: &PgPool,
+        held: &HeldConnection,
+        work: impl AsyncFnOnce(&mut sqlx::PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, sqlx::Error> {
+        if self.postgres.hold_batch_connections {
+            held.run(pool, PING_IF_IDLE_FOR, work).await
+        } else {
+            let mut conn = pool.acquire().await?;
+            work(&mut conn).await
+        }
+    }
+}
+
+/// Connects to Postgres as `settings` say.
+pub(super) async fn connect(settings: &SqlSettings) -> Result<PgPool, StoreError> {
+    let unavailable = |e: sqlx::Error| StoreError::Unavailable {
+        op: "connect",
+        cause: e.to_string(),
+    };
+    let statement_timeout = server_side_bound(settings.timeout).as_millis().to_string();
+    let options = PgConnectOptions::from_str(&settings.url)
+        .map_err(unavailable)?
+        // The server abandons a query the gateway has given up on,
+        // instead of holding its locks.
+        .options([("statement_timeout", statement_timeout.as_str())])
+        // sqlx prepares every statement, and a generic plan is made
+        // once per connection: every by-key statement probes each
+        // partition of the record table, and planning that afresh
+        // on every run cost more CPU than running it (a third of the
+        // claim rate, loadtest/README.md). A generic plan costed on a
+        // table as it was when empty (at first start, or a partition
+        // just made) could pick a sequential scan and keep it as the
+        // table grows; with sequential scans priced out, the key's
+        // index is always the plan. Partition maintenance turns them
+        // back on (it does read whole partitions).
+        .options([("plan_cache_mode", "force_generic_plan")])
+        .options([("enable_seqscan", "off")])
+        // A key's one row across partitions rests on each statement
+        // of the claim function seeing the rows committed before it
+        // (docs in migrations/postgres/0006_partitions.sql), which a
+        // database whose default is REPEATABLE READ would break.
+        .options([("default_transaction_isolation", "read committed")]);
+    // The store's own schema, first on the path: its tables (and its
+    // migrations table) are found and created there.
+    let options = match &settings.schema {
+        Some(schema) => {
+            check_schema(schema).map_err(|cause| StoreError::Unavailable {
+                op: "connect",
+                cause,
+            })?;
+            options.options([("search_path", schema.as_str())])
+        }
+        None => options,
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(settings.pool_size)
+        .acquire_timeout(acquire_bound(settings.timeout))
+        // sqlx pings every connection it hands out by default: a
+        // second round trip (and a second Postgres wake-up) for each
+        // batch. A connection used moments ago is known to be alive;
+        // only one that sat idle is checked, as HikariCP does.
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for > PING_IF_IDLE_FOR {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
+        .connect_with(options)
+        .await
+        .map_err(unavailable)?;
+    Ok(pool)
+}
