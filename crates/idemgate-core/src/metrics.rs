@@ -462,7 +462,9 @@ impl Metrics {
         .load(Ordering::Relaxed)
     }
 
-    /// Prometheus text exposition.
+    /// Prometheus text exposition. (Long by design: one block per metric
+    /// family, `HELP`, `TYPE` and its series, in the order a scrape shows
+    /// them.)
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(4096);
         out.push_str("# HELP idemgate_requests_total Requests by route and outcome.\n");

@@ -47,7 +47,7 @@ pub use consumer::{Broker, ConsumerConfig, DEAD_LETTER_EXCHANGE};
 pub use duration::HumanDuration;
 pub use identity::{IdentityConfig, JwtConfig};
 pub use plan::{AdminToken, ConsumerPlan, Plan, PolicyPlan, RoutePlan};
-pub use routes::{Idempotency, RouteConfig, RouteKind, SignatureConfig};
+pub use routes::{IdempotencyMode, RouteConfig, RouteKind, SignatureConfig};
 pub use server::{CorsConfig, ServerConfig, ServerTlsConfig};
 pub use store::{DEFAULT_DATABASE_URL, StoreConfig};
 pub use telemetry::{OtlpProtocol, TelemetryConfig};
@@ -88,7 +88,7 @@ pub struct Config {
 /// One thing wrong with a config file (or, from [`Config::warnings`], one
 /// thing risky in it): the key and the reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
+pub struct ConfigProblem {
     pub key: String,
     pub reason: String,
 }
@@ -106,11 +106,11 @@ pub enum ConfigError {
     #[error("{origin}: {} problem(s):\n{}", problems.len(), render_problems(problems))]
     Invalid {
         origin: String,
-        problems: Vec<Problem>,
+        problems: Vec<ConfigProblem>,
     },
 }
 
-fn render_problems(problems: &[Problem]) -> String {
+fn render_problems(problems: &[ConfigProblem]) -> String {
     problems
         .iter()
         .map(|p| format!("  - {}: {}", p.key, p.reason))
@@ -120,7 +120,7 @@ fn render_problems(problems: &[Problem]) -> String {
 
 impl ConfigError {
     /// The collected problems (empty for read and parse errors).
-    pub fn problems(&self) -> &[Problem] {
+    pub fn problems(&self) -> &[ConfigProblem] {
         match self {
             ConfigError::Invalid { problems, .. } => problems,
             _ => &[],
@@ -221,7 +221,7 @@ impl Config {
 /// problems validation finds in a file.
 #[cfg(test)]
 mod testing {
-    use super::{Config, Problem};
+    use super::{Config, ConfigProblem};
 
     /// One upstream and one pass-through route over it.
     pub(super) const MINIMAL: &str = r#"
@@ -236,7 +236,7 @@ mod testing {
     "#;
 
     /// The problems validation finds in `text` (none when it is valid).
-    pub(super) fn problems_of(text: &str) -> Vec<Problem> {
+    pub(super) fn problems_of(text: &str) -> Vec<ConfigProblem> {
         match Config::parse(text, "t").unwrap().validate("t") {
             Ok(_) => Vec::new(),
             Err(e) => e.problems().to_vec(),
@@ -244,7 +244,7 @@ mod testing {
     }
 
     /// The reasons given for `key`.
-    pub(super) fn reasons_for<'a>(problems: &'a [Problem], key: &str) -> Vec<&'a str> {
+    pub(super) fn reasons_for<'a>(problems: &'a [ConfigProblem], key: &str) -> Vec<&'a str> {
         problems
             .iter()
             .filter(|p| p.key == key)

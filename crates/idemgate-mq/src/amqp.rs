@@ -42,7 +42,7 @@ use tokio::task::JoinSet;
 use acks::{Acks, Refusal};
 use tokio_util::sync::CancellationToken;
 
-use super::{CopyFailure, DeadLetters, Deliverer, Message, Verdict, keep_connected, redact};
+use super::{CopyFailure, DeadLetters, Deliverer, Disposition, Message, keep_connected, redact};
 
 /// Runs the consumer until `stop`, reconnecting with backoff.
 pub(super) async fn run(
@@ -179,16 +179,20 @@ async fn handle(
     let verdict = d.decide(&message, stop, || async {}).await;
     let tag = delivery.delivery_tag;
     let done = match (&verdict, dead_letters) {
-        (Verdict::Ack(_), _) => acks.ack(tag).await,
-        (Verdict::Retry(delay) | Verdict::Wait(delay), _) => requeue(acks, tag, *delay, stop).await,
+        (Disposition::Ack(_), _) => acks.ack(tag).await,
+        (Disposition::Retry(delay) | Disposition::Wait(delay), _) => {
+            requeue(acks, tag, *delay, stop).await
+        }
         // The queue's owner routes dead letters: a rejection without
         // requeue hands it to the queue's dead-letter exchange, with its
         // `x-death` history (the reason is in the log, where the deliverer
         // wrote it). A rejection lost with the connection is repeated on
         // the redelivery: the broker dead-letters only what it took.
-        (Verdict::DeadLetter { .. }, DeadLetters::Dlx) => acks.refuse(tag, Refusal::Reject).await,
+        (Disposition::DeadLetter { .. }, DeadLetters::Dlx) => {
+            acks.refuse(tag, Refusal::Reject).await
+        }
         (
-            Verdict::DeadLetter {
+            Disposition::DeadLetter {
                 reason,
                 copy,
                 holder,

@@ -9,7 +9,8 @@
 
 use bytes::Bytes;
 
-use idemgate::callback::{KeyError, MAX_KEY_BYTES, check_key_value, join_key_values};
+use crate::Message;
+use idemgate::callback::{BusinessKeyError, MAX_KEY_BYTES, check_key_value, join_key_values};
 
 /// Where one part of a message's key comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,12 +107,12 @@ pub fn message_match_values(
 pub fn message_key(
     sources: &[MessageKeySource],
     message: &impl KeyedMessage,
-) -> Result<String, KeyError> {
+) -> Result<String, BusinessKeyError> {
     let mut json: Option<Result<serde_json::Value, String>> = None;
     let mut values = Vec::with_capacity(sources.len());
     for source in sources {
         let origin = source.describe();
-        let invalid = |reason: String| KeyError::Invalid {
+        let invalid = |reason: String| BusinessKeyError::Invalid {
             origin: origin.clone(),
             reason,
         };
@@ -135,7 +136,7 @@ pub fn message_key(
                 }
             }
         };
-        let value = value.ok_or_else(|| KeyError::Missing(origin.clone()))?;
+        let value = value.ok_or_else(|| BusinessKeyError::Missing(origin.clone()))?;
         // A fanout exchange routes with an empty key: beside the id, an
         // empty topic is a topic ("0:" in the composite), not a missing key.
         if matches!(source, MessageKeySource::Topic) && value.is_empty() && sources.len() > 1 {
@@ -147,6 +148,52 @@ pub fn message_key(
     let key = join_key_values(values)?;
     debug_assert!(key.len() <= MAX_KEY_BYTES);
     Ok(key)
+}
+
+// === a message's rows in the delivery log ===
+
+/// Where the dead-letter mark of a message without a usable key is kept:
+/// its broker id (as it came, unusable as a key) and body hashed, behind a
+/// control character no usable key may hold, so it never meets a business
+/// key. `None` without an id: a body alone does not name one message (two
+/// keyless messages may carry the same), and a mark shared by two would
+/// settle the second without its copy.
+pub(crate) fn keyless_mark(message: &Message) -> Option<String> {
+    use sha2::{Digest, Sha256};
+    let id = message.id.as_deref()?.as_bytes();
+    let copy = copy_id(message).unwrap_or_default();
+    let mut hash = Sha256::new();
+    for part in [id, copy.as_bytes()] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part);
+    }
+    hash.update(&message.body);
+    Some(format!("\u{1}keyless:{}", hex::encode(hash.finalize())))
+}
+
+/// The store row that counts `message`'s failed attempts and keeps its
+/// dead-letter mark: its key's, or for one of Idemgate's dead-letter
+/// copies moved back to the source, a row of that copy's own.
+pub(crate) fn delivery_row(key: &str, message: &Message) -> String {
+    match copy_id(message) {
+        Some(copy) => format!("{key}\u{1}copy:{copy}"),
+        None => key.to_owned(),
+    }
+}
+
+/// Which dead-letter copy `message` is, if it is one: the copy header each
+/// broker's copy gets (`x-idemgate-copy`, `Idemgate-Copy`, `idemgate-copy`;
+/// names compare without case), or for a copy made before that header, its
+/// reason header.
+pub(crate) fn copy_id(message: &Message) -> Option<String> {
+    [
+        "x-idemgate-copy",
+        "idemgate-copy",
+        "x-idemgate-reason",
+        "idemgate-reason",
+    ]
+    .iter()
+    .find_map(|name| message.header(name).and_then(Result::ok))
 }
 
 #[cfg(test)]
@@ -187,7 +234,7 @@ mod tests {
         }
     }
 
-    fn key(sources: &[&str], m: &Msg) -> Result<String, KeyError> {
+    fn key(sources: &[&str], m: &Msg) -> Result<String, BusinessKeyError> {
         let sources: Vec<_> = sources
             .iter()
             .map(|s| MessageKeySource::parse(s).unwrap())
@@ -228,15 +275,15 @@ mod tests {
         assert_eq!(key(&["json:/coupon", "json:/n"], &m).unwrap(), "2:C9|1:7");
         assert!(matches!(
             key(&["json:/obj"], &m),
-            Err(KeyError::Invalid { .. })
+            Err(BusinessKeyError::Invalid { .. })
         ));
         assert!(matches!(
             key(&["msg:header:x-bin"], &m),
-            Err(KeyError::Invalid { .. })
+            Err(BusinessKeyError::Invalid { .. })
         ));
         assert!(matches!(
             key(&["msg:header:absent"], &m),
-            Err(KeyError::Missing(_))
+            Err(BusinessKeyError::Missing(_))
         ));
     }
 
@@ -247,7 +294,7 @@ mod tests {
         assert_eq!(key(&DEFAULT_MESSAGE_KEY, &fanout).unwrap(), "3:m-1|0:");
         assert!(matches!(
             key(&["msg:topic"], &fanout),
-            Err(KeyError::Missing(_))
+            Err(BusinessKeyError::Missing(_))
         ));
     }
 
@@ -256,26 +303,26 @@ mod tests {
         let no_id = msg(None, "{}");
         assert!(matches!(
             key(&DEFAULT_MESSAGE_KEY, &no_id),
-            Err(KeyError::Missing(_))
+            Err(BusinessKeyError::Missing(_))
         ));
         let empty = msg(Some(""), "{}");
         assert!(matches!(
             key(&["msg:message_id"], &empty),
-            Err(KeyError::Missing(_))
+            Err(BusinessKeyError::Missing(_))
         ));
         let nul = msg(Some("a\0b"), "{}");
         assert!(matches!(
             key(&["msg:message_id"], &nul),
-            Err(KeyError::Invalid { .. })
+            Err(BusinessKeyError::Invalid { .. })
         ));
         let long: &'static str = "x".repeat(300).leak();
         assert!(matches!(
             key(&["msg:message_id"], &msg(Some(long), "{}")),
-            Err(KeyError::Invalid { .. })
+            Err(BusinessKeyError::Invalid { .. })
         ));
         assert!(matches!(
             key(&["json:/a"], &msg(Some("m"), "not json")),
-            Err(KeyError::Invalid { .. })
+            Err(BusinessKeyError::Invalid { .. })
         ));
     }
 }

@@ -24,7 +24,7 @@ use futures_util::StreamExt;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{CopyFailure, Deliverer, Message, Verdict, keep_connected, redact};
+use super::{CopyFailure, Deliverer, Disposition, Message, keep_connected, redact};
 
 /// The shortest ack wait: the server delivers an unacknowledged message
 /// again after it (a holder may still run, and its claim answers the copy).
@@ -199,9 +199,9 @@ async fn handle(
         message.ack_with(AckKind::Nak(delay))
     };
     let done: Result<(), Failure> = match &verdict {
-        Verdict::Ack(_) => message.double_ack().await,
-        Verdict::Retry(delay) | Verdict::Wait(delay) => nak(*delay).await,
-        Verdict::DeadLetter {
+        Disposition::Ack(_) => message.double_ack().await,
+        Disposition::Retry(delay) | Disposition::Wait(delay) => nak(*delay).await,
+        Disposition::DeadLetter {
             reason,
             copy,
             holder,

@@ -41,7 +41,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{CopyFailure, Deliverer, Message, StreamSource, Verdict, keep_connected, redact};
+use super::{CopyFailure, Deliverer, Disposition, Message, StreamSource, keep_connected, redact};
 
 /// How long one `XREADGROUP` blocks for new entries.
 const READ_BLOCK: Duration = Duration::from_millis(1000);
@@ -372,8 +372,8 @@ async fn handle(
     loop {
         let verdict = d.decide(&message, stop, || async {}).await;
         let done = match &verdict {
-            Verdict::Ack(_) => xack(&mut conn, source, &entry.id).await,
-            Verdict::Retry(delay) | Verdict::Wait(delay) => {
+            Disposition::Ack(_) => xack(&mut conn, source, &entry.id).await,
+            Disposition::Retry(delay) | Disposition::Wait(delay) => {
                 if stop.is_cancelled() {
                     // Left pending: another instance claims it.
                     Ok(())
@@ -387,7 +387,7 @@ async fn handle(
                     continue;
                 }
             }
-            Verdict::DeadLetter {
+            Disposition::DeadLetter {
                 reason,
                 copy,
                 holder,

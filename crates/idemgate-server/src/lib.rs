@@ -209,6 +209,8 @@ impl ShutdownSignal {
 }
 
 /// Serves HTTP/1.1 and HTTP/2 on `listener` until `shutdown`, then drains.
+/// (Long by design: one accept loop whose steps — a slot or a refusal,
+/// accept or hand-over, spawn — share its locals, each step commented.)
 ///
 /// `make_service` is called once per connection with the peer address,
 /// whether it came over TLS, and the connection's claims (which hold its

@@ -38,7 +38,7 @@ use super::StoreError;
 use statements::Statements;
 
 pub use batched::{Completion, NewClaim, Write, Written};
-pub use deliveries::DeadLetterClaim;
+pub use deliveries::{DeadLetterClaim, DeliveryLog};
 pub use purge_log::LoggedPurge;
 pub use records::Purged;
 

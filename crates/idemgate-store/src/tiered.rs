@@ -24,161 +24,32 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::batch::{Batcher, Lane};
+use super::batch::Batcher;
 use super::codec::FastEntry;
 use super::fast::FastLayer;
-use super::held::HeldConnection;
 use super::settle::{Channel, Settlements, Watch};
-use super::sql::{Completion, NewClaim, SqlStore, Write, Written};
+use super::sql::{Completion, NewClaim, SqlStore};
 use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
 use idemgate_core::metrics::Metrics;
+
+mod purging;
+mod writes;
+
+use writes::{LARGE_BODY, LARGE_LANE, Writes, completion_batcher};
 
 /// Where token records live (kept equal to [`idemgate::token::TOKEN_RECORDS`]
 /// by a test; the store does not depend on the token module).
 pub const TOKEN_NAMESPACE: &str = "/token";
 
-/// A completion whose body is larger goes to the large lane.
-const LARGE_BODY: usize = 64 * 1024;
-
-/// The large lane: one answer per write, and after each write a rest three
-/// times as long as the write took. A megabyte answer holds the store's
-/// writer (SQLite's only one; on Postgres its CPU, WAL and the Redis
-/// connection) for milliseconds, and without a rest a flood of them kept
-/// it busy back to back: every claim and small completion waited for one,
-/// twice per request. Resting, a lane writes at most a quarter of its
-/// time (one lane per store: per process on SQLite, per worker on
-/// Postgres), a claim meets a large write in progress that much less
-/// often, and a flood of large answers slows the recording of large
-/// answers rather than every claim (`loadtest/README.md` has the
-/// measurements).
-const LARGE_LANE: Lane = Lane {
-    max_batch: 1,
-    rest_per_write: 3,
-};
-
-/// A batch writer of completions, on its own kept connection.
-fn completion_batcher(sql: &SqlStore, lane: Lane) -> Batcher<Completion, Option<(Duration, bool)>> {
-    let sql = sql.clone();
-    let held = Arc::new(HeldConnection::default());
-    Batcher::spawn_lane(
-        "complete",
-        sql.timeout(),
-        lane,
-        move |batch: Vec<Completion>| {
-            let (sql, held) = (sql.clone(), held.clone());
-            async move {
-                let result = sql.complete_many(&batch, &held).await;
-                (batch, result)
-            }
-        },
-        // A holder whose write timed out checks whether it landed.
-        |_, _| {},
-    )
-}
-
-/// The batch writers of claims and (small) completions.
-#[derive(Clone)]
-enum Writes {
-    /// Postgres: two writers on two connections, so a claim never waits
-    /// for a batch of completions (or the reverse), and each kind keeps
-    /// its own statement.
-    Apart {
-        claims: Batcher<NewClaim, Option<(i64, i64)>>,
-        completions: Batcher<Completion, Option<(Duration, bool)>>,
-    },
-    /// SQLite: its one connection writes in turn whatever the lanes, so
-    /// one writer takes both kinds and commits them together — one
-    /// transaction and one fsync where two writers took two.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    Together(Batcher<Write, Written>),
-}
-
-impl Writes {
-    fn new(sql: &SqlStore) -> Self {
-        #[cfg(feature = "sqlite")]
-        if sql.backend() == "sqlite" {
-            let (writer, releaser) = (sql.clone(), sql.clone());
-            return Writes::Together(Batcher::spawn(
-                "write",
-                sql.timeout(),
-                move |batch: Vec<Write>| {
-                    let sql = writer.clone();
-                    async move {
-                        let result = sql.write_many(&batch).await;
-                        (batch, result)
-                    }
-                },
-                move |write, written| {
-                    if let (Write::Claim(claim), Written::Claim(won)) = (write, written) {
-                        release_orphan(&releaser, claim, won);
-                    }
-                },
-            ));
-        }
-        let (writer, releaser) = (sql.clone(), sql.clone());
-        let held = Arc::new(HeldConnection::default());
-        Writes::Apart {
-            claims: Batcher::spawn(
-                "claim",
-                sql.timeout(),
-                move |batch: Vec<NewClaim>| {
-                    let (sql, held) = (writer.clone(), held.clone());
-                    async move {
-                        let result = sql.insert_claims(&batch, &held).await;
-                        (batch, result)
-                    }
-                },
-                move |claim, won| release_orphan(&releaser, claim, won),
-            ),
-            completions: completion_batcher(sql, Lane::default()),
-        }
-    }
-
-    /// Inserts a fresh key's claim → its epoch and expiry where won.
-    async fn claim(&self, claim: NewClaim) -> Result<Option<(i64, i64)>, StoreError> {
-        match self {
-            Writes::Apart { claims, .. } => claims.submit(claim).await,
-            Writes::Together(writes) => match writes.submit(Write::Claim(claim)).await? {
-                Written::Claim(won) => Ok(won),
-                Written::Complete(_) => Err(mismatched("claim")),
-            },
-        }
-    }
-
-    /// Stores an outcome → the retention left and whether a duplicate
-    /// waits, where the epoch still held the claim.
-    async fn complete(
-        &self,
-        completion: Completion,
-    ) -> Result<Option<(Duration, bool)>, StoreError> {
-        match self {
-            Writes::Apart { completions, .. } => completions.submit(completion).await,
-            Writes::Together(writes) => match writes.submit(Write::Complete(completion)).await? {
-                Written::Complete(done) => Ok(done),
-                Written::Claim(_) => Err(mismatched("complete")),
-            },
-        }
-    }
-}
-
-/// A write answered with the other kind's answer (a bug in `write_many`).
-fn mismatched(op: &'static str) -> StoreError {
-    StoreError::Unavailable {
-        op,
-        cause: "the batch writer answered another kind of write".into(),
-    }
-}
-
-/// A claim won after its caller was told 503: nobody will forward it, so
-/// the key is given back at once rather than held until its lease.
-fn release_orphan(sql: &SqlStore, claim: NewClaim, won: Option<(i64, i64)>) {
-    if let Some((epoch, _)) = won {
-        let sql = sql.clone();
-        tokio::spawn(async move {
-            let released = sql.release(&claim.key, epoch).await;
-            tracing::info!(route = %claim.key.route, key = %claim.key.escaped(), layer = "store", ?released, "claim committed after its caller gave up; released");
-        });
-    }
+/// What the fast-layer half of a claim found.
+enum FastClaim {
+    /// The fast layer answers this request (a replay, or in flight).
+    Answered(Claim),
+    /// This request's in-flight marker is placed: SQL decides.
+    Marked,
+    /// Nothing usable there (another request's value, a failed layer, no
+    /// fast layer): SQL decides.
+    ToSql,
 }
 
 /// What SQL was asked after: this process's purge count then, and when.
@@ -278,7 +149,13 @@ impl Store {
         self.channel
     }
 
-    /// The SQL record store.
+    /// The delivery log of the consumer whose records are kept under
+    /// `consumer`: the MQ link's handle on the store.
+    pub fn delivery_log(&self, consumer: &str) -> crate::sql::DeliveryLog {
+        crate::sql::DeliveryLog::new(self.sql.clone(), consumer)
+    }
+
+    /// The SQL store underneath.
     pub fn sql(&self) -> &SqlStore {
         &self.sql
     }
@@ -335,7 +212,10 @@ impl Store {
         }
     }
 
-    /// Claims `key` for the request with `fingerprint`.
+    /// Claims `key` for the request with `fingerprint`: the fast layer
+    /// first (it may answer a duplicate at once, or place this request's
+    /// in-flight marker), then SQL, which decides; then the fast layer is
+    /// set to agree with SQL's answer.
     pub async fn claim(
         &self,
         key: &RecordKey,
@@ -343,57 +223,14 @@ impl Store {
         request_id: &str,
     ) -> Result<Claim, StoreError> {
         let started = Instant::now();
-        let mut marked = false;
         // Before SQL is read: a completed answer read there is written
         // back only as a purge applied meanwhile allows.
         let read = self.before_reading(started);
-        if let Some(fast) = &self.fast {
-            let marker = FastEntry::InFlight {
-                key: key.clone(),
-                fingerprint: fingerprint.to_owned(),
-                expires_at_ms: super::after_ms(now_ms(), self.settings.retention),
-            };
-            // One atomic round trip: what is stored, or our marker placed.
-            match self
-                .fast(
-                    "get_or_mark",
-                    fast.get_or_mark(&marker, self.settings.lease),
-                )
-                .await
-            {
-                Some(None) => marked = true,
-                Some(Some((entry, _)))
-                    if entry.key() == key && entry.fingerprint() == fingerprint =>
-                {
-                    match entry {
-                        FastEntry::Completed {
-                            response,
-                            expires_at_ms,
-                            ..
-                        } => {
-                            return Ok(Claim::Completed {
-                                response,
-                                expires_at_ms,
-                            });
-                        }
-                        FastEntry::InFlight { expires_at_ms, .. } => {
-                            return Ok(Claim::InFlight {
-                                retry_after: self.settings.lease,
-                                expires_at_ms,
-                            });
-                        }
-                    }
-                }
-                Some(Some((entry, _))) if entry.key() != key => {
-                    // A value that is not ours under our key: never trust
-                    // it, let SQL decide, and count it.
-                    self.metrics.fallback(fast.layer());
-                    tracing::warn!(route = %key.route, key = %key.escaped(), layer = "fast", "foreign fast-layer value ignored");
-                }
-                Some(Some(_)) => {} // another fingerprint: SQL answers (422)
-                None => {}
-            }
-        }
+        let marked = match self.claim_in_fast_layer(key, fingerprint).await {
+            FastClaim::Answered(claim) => return Ok(claim),
+            FastClaim::Marked => true,
+            FastClaim::ToSql => false,
+        };
         // The whole SQL half (insert, takeover, read) within one
         // `store.timeout`, not one per statement.
         let bound = self.sql.timeout();
@@ -408,41 +245,101 @@ impl Store {
             Ok((claim, left)) => (Ok(claim), left),
             Err(e) => (Err(e), Duration::ZERO),
         };
-        if let Some(fast) = &self.fast {
-            match &claim {
-                Ok(Claim::Won { .. }) => {}
-                // Re-cached for what is left of the record's retention, not
-                // a whole new one.
-                Ok(Claim::Completed {
-                    response,
-                    expires_at_ms,
-                }) if !left.is_zero() => {
-                    let entry = FastEntry::Completed {
-                        key: key.clone(),
-                        fingerprint: fingerprint.to_owned(),
-                        response: response.clone(),
-                        expires_at_ms: *expires_at_ms,
-                    };
-                    self.write_back(fast, &entry, left, read).await;
-                }
-                _ if marked => {
-                    // Our marker must not outlive a claim that was not won:
-                    // it would answer 409 for a whole lease. A removal
-                    // slower than the budget (Redis busy in a burst) is
-                    // finished in the background instead of given up.
-                    let removed = self.fast("remove", fast.remove(key)).await;
-                    if removed.is_none() {
-                        let (fast, key) = (fast.clone(), key.clone());
-                        let bound = self.sql.timeout();
-                        tokio::spawn(async move {
-                            let _ = tokio::time::timeout(bound, fast.remove(&key)).await;
-                        });
-                    }
-                }
-                _ => {}
-            }
-        }
+        self.agree_with_sql(key, fingerprint, &claim, left, marked, read)
+            .await;
         claim
+    }
+
+    /// The fast-layer half of a claim, one atomic round trip: what is
+    /// stored there for this request (a completed answer, an in-flight
+    /// marker), or this request's marker placed.
+    async fn claim_in_fast_layer(&self, key: &RecordKey, fingerprint: &str) -> FastClaim {
+        let Some(fast) = &self.fast else {
+            return FastClaim::ToSql;
+        };
+        let marker = FastEntry::InFlight {
+            key: key.clone(),
+            fingerprint: fingerprint.to_owned(),
+            expires_at_ms: super::after_ms(now_ms(), self.settings.retention),
+        };
+        let found = self
+            .fast(
+                "get_or_mark",
+                fast.get_or_mark(&marker, self.settings.lease),
+            )
+            .await;
+        match found {
+            Some(None) => FastClaim::Marked,
+            Some(Some((entry, _))) if entry.key() == key && entry.fingerprint() == fingerprint => {
+                FastClaim::Answered(match entry {
+                    FastEntry::Completed {
+                        response,
+                        expires_at_ms,
+                        ..
+                    } => Claim::Completed {
+                        response,
+                        expires_at_ms,
+                    },
+                    FastEntry::InFlight { expires_at_ms, .. } => Claim::InFlight {
+                        retry_after: self.settings.lease,
+                        expires_at_ms,
+                    },
+                })
+            }
+            Some(Some((entry, _))) if entry.key() != key => {
+                // A value that is not ours under our key: never trust it,
+                // let SQL decide, and count it.
+                self.metrics.fallback(fast.layer());
+                tracing::warn!(route = %key.route, key = %key.escaped(), layer = "fast", "foreign fast-layer value ignored");
+                FastClaim::ToSql
+            }
+            // Another fingerprint (SQL answers 422), or the layer failed.
+            Some(Some(_)) | None => FastClaim::ToSql,
+        }
+    }
+
+    /// After SQL answered a claim: a completed answer is written back for
+    /// what is left of its retention (not a whole new one); a marker this
+    /// request placed goes when the claim was not won, or it would answer
+    /// 409 for a whole lease.
+    async fn agree_with_sql(
+        &self,
+        key: &RecordKey,
+        fingerprint: &str,
+        claim: &Result<Claim, StoreError>,
+        left: Duration,
+        marked: bool,
+        read: BeforeReading,
+    ) {
+        let Some(fast) = &self.fast else { return };
+        match claim {
+            Ok(Claim::Won { .. }) => {}
+            Ok(Claim::Completed {
+                response,
+                expires_at_ms,
+            }) if !left.is_zero() => {
+                let entry = FastEntry::Completed {
+                    key: key.clone(),
+                    fingerprint: fingerprint.to_owned(),
+                    response: response.clone(),
+                    expires_at_ms: *expires_at_ms,
+                };
+                self.write_back(fast, &entry, left, read).await;
+            }
+            _ if marked => {
+                // A removal slower than the budget (Redis busy in a burst)
+                // is finished in the background instead of given up.
+                let removed = self.fast("remove", fast.remove(key)).await;
+                if removed.is_none() {
+                    let (fast, key) = (fast.clone(), key.clone());
+                    let bound = self.sql.timeout();
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(bound, fast.remove(&key)).await;
+                    });
+                }
+            }
+            _ => {}
+        }
     }
 
     /// The SQL half of a claim: the fresh-key insert goes through the batch
@@ -725,128 +622,6 @@ impl Store {
     /// Every record of `route`/`key` across client scopes.
     pub async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
         self.sql.find(route, key).await
-    }
-
-    /// [`Self::find`] for operators, who name a record by the route it was
-    /// used on: a token's record lives under the token namespace
-    /// ([`idemgate::token::TOKEN_RECORDS`]), whatever route used it.
-    pub async fn find_for_operator(
-        &self,
-        route: &str,
-        key: &str,
-    ) -> Result<Vec<Record>, StoreError> {
-        let found = self.sql.find(route, key).await?;
-        if !found.is_empty() {
-            return Ok(found);
-        }
-        self.sql.find(TOKEN_NAMESPACE, key).await
-    }
-
-    /// [`Self::purge`] for operators (a key found under no route is looked
-    /// for among the tokens, as [`Self::find_for_operator`] does), answered
-    /// once the purge has settled:
-    /// [`super::purges::SETTLE`] after it was logged, every process's
-    /// in-memory layer has applied it (or stopped replaying from memory),
-    /// and the fast layer is then cleared of the key once more — a claim
-    /// that read the completed record from SQL just before the purge may
-    /// have written it back just after the first removal, before its
-    /// process had read the purge log. What the admin API and the CLI run.
-    pub async fn purge_settled(
-        &self,
-        route: &str,
-        key: &str,
-        scope: Option<&str>,
-    ) -> Result<super::sql::Purged, StoreError> {
-        let (mut purged, mut keys) = self.purge_keys(route, key, scope).await?;
-        if purged.removed == 0 && purged.held == 0 {
-            (purged, keys) = self.purge_keys(TOKEN_NAMESPACE, key, scope).await?;
-        }
-        if purged.removed > 0 {
-            // A task of its own: an operator who hangs up during the wait
-            // must not cancel the second removal.
-            let store = self.clone();
-            let settled = tokio::spawn(async move {
-                tokio::time::sleep(super::purges::SETTLE).await;
-                for k in &keys {
-                    store.forget_for_purge(k).await?;
-                }
-                Ok::<_, StoreError>(())
-            });
-            settled.await.map_err(|e| StoreError::Unavailable {
-                op: "purge",
-                cause: e.to_string(),
-            })??;
-        } else if purged.held == 0
-            && let Some(scope) = scope
-        {
-            // Nothing in SQL: a purge repeated after the fast layer could
-            // not be cleared, which it now is for the client named. (A
-            // held record's in-flight marker is left alone.)
-            for route in [route, TOKEN_NAMESPACE] {
-                self.forget_for_purge(&RecordKey::new(scope, route, key))
-                    .await?;
-            }
-        }
-        Ok(purged)
-    }
-
-    /// [`Self::forget`] for a purge, which must not be reported done while
-    /// the fast layer may still replay the key: bounded by `store.timeout`
-    /// (not the fast layer's budget), and an error when it failed.
-    async fn forget_for_purge(&self, key: &RecordKey) -> Result<(), StoreError> {
-        let Some(fast) = &self.fast else {
-            return Ok(());
-        };
-        let bound = self.sql.timeout();
-        let cause = match tokio::time::timeout(bound, fast.remove(key)).await {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {bound:?}"),
-        };
-        tracing::warn!(route = %key.route, key = %key.escaped(), layer = "fast", %cause, "purged in SQL, but the fast layer could not be cleared");
-        Err(StoreError::Unavailable {
-            op: "purge",
-            cause: format!(
-                "the record was purged in SQL but the fast layer could not be cleared \
-                 ({cause}); it may still be replayed from there until the key is purged \
-                 again, naming its client, once the fast layer answers"
-            ),
-        })
-    }
-
-    /// Removes records from SQL and the fast layer, except those held under
-    /// a live lease (see [`super::sql::Purged`]).
-    pub async fn purge(
-        &self,
-        route: &str,
-        key: &str,
-        scope: Option<&str>,
-    ) -> Result<super::sql::Purged, StoreError> {
-        Ok(self.purge_keys(route, key, scope).await?.0)
-    }
-
-    /// [`Self::purge`], with the keys whose fast-layer entries it removed.
-    async fn purge_keys(
-        &self,
-        route: &str,
-        key: &str,
-        scope: Option<&str>,
-    ) -> Result<(super::sql::Purged, Vec<RecordKey>), StoreError> {
-        let keys: Vec<RecordKey> = match scope {
-            Some(scope) => vec![RecordKey::new(scope, route, key)],
-            None => self
-                .sql
-                .find(route, key)
-                .await?
-                .into_iter()
-                .map(|r| r.key)
-                .collect(),
-        };
-        let removed = self.sql.purge(route, key, scope).await?;
-        for k in &keys {
-            self.forget(k).await;
-        }
-        Ok((removed, keys))
     }
 
     /// Drops whatever the fast layer holds for `key` (SQL answers next).

@@ -175,7 +175,7 @@ impl Plan {
         let config = config.with_secrets_trimmed();
         let mut problems = Vec::new();
         let loaded = load(&config, &mut |key, reason| {
-            problems.push(Problem { key, reason })
+            problems.push(ConfigProblem { key, reason })
         });
         match loaded {
             Some(parts) if problems.is_empty() => Ok(parts.into_plan(config)),
@@ -401,11 +401,11 @@ fn policy_of(
     add: &mut dyn FnMut(String, String),
 ) -> Option<PolicyPlan> {
     match (r.kind, r.idempotency()) {
-        (RouteKind::Sync, Idempotency::None) => Some(PolicyPlan::PassThrough),
-        (RouteKind::Sync, Idempotency::Key) => Some(PolicyPlan::Key {
+        (RouteKind::Sync, IdempotencyMode::None) => Some(PolicyPlan::PassThrough),
+        (RouteKind::Sync, IdempotencyMode::Key) => Some(PolicyPlan::Key {
             require_key: r.require_key,
         }),
-        (RouteKind::Sync, Idempotency::Token) => Some(PolicyPlan::Token),
+        (RouteKind::Sync, IdempotencyMode::Token) => Some(PolicyPlan::Token),
         (RouteKind::Callback, _) => {
             let mut parse = |field: &str, sources: &[String]| {
                 sources

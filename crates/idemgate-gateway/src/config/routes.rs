@@ -33,7 +33,7 @@ pub struct RouteConfig {
     #[serde(default)]
     pub kind: RouteKind,
     /// Absent means `none` on sync routes; callback routes must leave it out.
-    pub idempotency: Option<Idempotency>,
+    pub idempotency: Option<IdempotencyMode>,
     #[serde(default = "default_require_key")]
     pub require_key: bool,
     #[serde(default)]
@@ -80,7 +80,7 @@ pub enum RouteKind {
 /// `idempotency`: the policy of a sync route.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Idempotency {
+pub enum IdempotencyMode {
     #[default]
     None,
     Key,
@@ -96,12 +96,12 @@ impl fmt::Display for RouteKind {
     }
 }
 
-impl fmt::Display for Idempotency {
+impl fmt::Display for IdempotencyMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Idempotency::None => "none",
-            Idempotency::Key => "key",
-            Idempotency::Token => "token",
+            IdempotencyMode::None => "none",
+            IdempotencyMode::Key => "key",
+            IdempotencyMode::Token => "token",
         })
     }
 }
@@ -123,13 +123,13 @@ impl RouteConfig {
     }
 
     /// The policy this route runs under.
-    pub fn idempotency(&self) -> Idempotency {
+    pub fn idempotency(&self) -> IdempotencyMode {
         self.idempotency.unwrap_or_default()
     }
 
     /// Whether requests on it are claimed (key, token or callback).
     pub fn is_protected(&self) -> bool {
-        self.kind == RouteKind::Callback || self.idempotency() != Idempotency::None
+        self.kind == RouteKind::Callback || self.idempotency() != IdempotencyMode::None
     }
 
     /// The route's matcher, or why its paths are wrong.
@@ -273,7 +273,7 @@ impl RouteConfig {
         add: &mut dyn FnMut(String, String),
     ) {
         match self.idempotency {
-            Some(Idempotency::Token) => add(
+            Some(IdempotencyMode::Token) => add(
                 key("idempotency"),
                 format!(
                     "route {:?} is a callback route and cannot use idempotency = \"token\": \
@@ -284,13 +284,13 @@ impl RouteConfig {
                     self.name
                 ),
             ),
-            Some(Idempotency::Key) => add(
+            Some(IdempotencyMode::Key) => add(
                 key("idempotency"),
                 "callback routes dedupe on their business_key; to use the caller's \
                  Idempotency-Key header, write business_key = [\"header:Idempotency-Key\"]"
                     .into(),
             ),
-            Some(Idempotency::None) | None => {}
+            Some(IdempotencyMode::None) | None => {}
         }
         if self.business_key.is_empty() {
             add(

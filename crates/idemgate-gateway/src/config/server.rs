@@ -263,7 +263,7 @@ impl CorsConfig {
 mod tests {
     use super::*;
     use crate::config::testing::{MINIMAL, problems_of, reasons_for};
-    use crate::config::{Config, Idempotency};
+    use crate::config::{Config, IdempotencyMode};
     use std::time::Duration;
 
     #[test]
@@ -272,7 +272,7 @@ mod tests {
         c.validate("t").unwrap();
         assert_eq!(c.server.listen, DEFAULT_LISTEN);
         assert_eq!(c.store.retention.get(), Duration::from_secs(86_400));
-        assert_eq!(c.routes[0].idempotency(), Idempotency::None);
+        assert_eq!(c.routes[0].idempotency(), IdempotencyMode::None);
     }
 
     #[test]

@@ -28,7 +28,7 @@ impl Config {
 
     fn validate_trimmed(self, origin: &str) -> Result<Plan, ConfigError> {
         let mut problems = Vec::new();
-        let mut add = |key: String, reason: String| problems.push(Problem { key, reason });
+        let mut add = |key: String, reason: String| problems.push(ConfigProblem { key, reason });
         self.collect_problems(&mut add);
         // Read once, here: what start-up uses is what was checked.
         let loaded = super::plan::load(&self, &mut add);
@@ -385,7 +385,7 @@ impl Config {
         let token_routes = self
             .routes
             .iter()
-            .any(|r| r.kind == RouteKind::Sync && r.idempotency() == Idempotency::Token);
+            .any(|r| r.kind == RouteKind::Sync && r.idempotency() == IdempotencyMode::Token);
         if token_routes
             && let Some(ttl) = self.tokens.ttl.valid()
             && retention < ttl
@@ -426,7 +426,7 @@ impl Config {
     /// What a valid configuration still risks, for `check-config` to print:
     /// each callback route signed with `hmac-sha256` (no timestamp, so a
     /// captured delivery never goes stale).
-    pub fn warnings(&self) -> Vec<Problem> {
+    pub fn warnings(&self) -> Vec<ConfigProblem> {
         let mut warnings = Vec::new();
         // A scope made of a rotating credential's bytes: each route whose
         // records are the client's says so (callbacks are the sender's).
@@ -441,8 +441,8 @@ impl Config {
         };
         if let Some(advice) = advice {
             for (i, r) in self.routes.iter().enumerate() {
-                if r.kind == RouteKind::Sync && r.idempotency() != Idempotency::None {
-                    warnings.push(Problem {
+                if r.kind == RouteKind::Sync && r.idempotency() != IdempotencyMode::None {
+                    warnings.push(ConfigProblem {
                         key: format!("routes[{i}] (identity.header)"),
                         reason: format!("route {:?} scopes its records by {advice}", r.name),
                     });
@@ -454,7 +454,7 @@ impl Config {
         // running there: safe only if the upstream stops its own work then.
         for (i, u) in self.upstreams.iter().enumerate() {
             if u.uncertain_hold() < u.timeout.get() {
-                warnings.push(Problem {
+                warnings.push(ConfigProblem {
                     key: format!("upstreams[{i}].uncertain_hold"),
                     reason: format!(
                         "upstream {:?} holds an uncertain key {} but may run a request for {}                          (timeout): a retry can then be forwarded beside a copy still running                          there, unless the upstream cancels its work when the gateway gives up;                          leave it unset (the timeout) otherwise",
@@ -468,7 +468,7 @@ impl Config {
         for (i, r) in self.routes.iter().enumerate() {
             let scheme = r.signature.as_ref().map(|s| s.scheme);
             if r.kind == RouteKind::Callback && scheme == Some(SignatureScheme::HmacSha256) {
-                warnings.push(Problem {
+                warnings.push(ConfigProblem {
                     key: format!("routes[{i}].signature.scheme"),
                     reason: format!(
                         "route {:?} uses hmac-sha256, which signs the body without a timestamp: \

@@ -10,13 +10,13 @@ use idemgate_mq::{ConsumerSettings, Deliverer};
 use idemgate_proxy::Proxy;
 use idemgate_store::Store;
 
-use super::{Shared, StartError};
+use super::{InForce, StartError};
 use crate::config::OnConcurrent;
 
 /// One deliverer per `[[consumers]]` entry, on the calling runtime: each
 /// runs through the same engine, store and holders as the routes, with its
 /// name as the route of its records.
-pub(super) fn build(shared: &Shared, store: &Store) -> Result<Vec<Arc<Deliverer>>, StartError> {
+pub(super) fn build(shared: &InForce, store: &Store) -> Result<Vec<Arc<Deliverer>>, StartError> {
     let server = &shared.config.server;
     let mut deliverers = Vec::with_capacity(shared.consumers.len());
     for c in &shared.consumers {

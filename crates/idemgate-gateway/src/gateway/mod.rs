@@ -58,8 +58,8 @@ pub struct RunningGateway {
     pub store: Store,
     trigger: ShutdownTrigger,
     /// The shared state in force, and where the workers hear of a new one.
-    shared: Arc<Shared>,
-    tables: tokio::sync::watch::Sender<Arc<Shared>>,
+    shared: Arc<InForce>,
+    tables: tokio::sync::watch::Sender<Arc<InForce>>,
     admin: crate::admin::AdminHandle,
     stop_consumers: tokio_util::sync::CancellationToken,
     consumers: idemgate_mq::Consumers,
@@ -112,6 +112,7 @@ pub async fn start_for_tests(config: Config) -> Result<RunningGateway, StartErro
 /// only to answer them `503 connections-exhausted`, however small the cap.
 const MIN_REFUSALS_AT_CAP: usize = 16;
 
+/// (Long by design: the start-up phases in order, one step each.)
 /// Starts the gateway on the listeners the plan names, in phases: the
 /// admin listener, the store, the shared state, the public listener's
 /// workers, the consumers, and the admin routes.
@@ -150,7 +151,7 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
         budgets.max_claims as u64,
         std::sync::atomic::Ordering::Relaxed,
     );
-    let shared = Arc::new(Shared::new(plan, &metrics, &records, &budgets, threads));
+    let shared = Arc::new(InForce::new(plan, &metrics, &records, &budgets, threads));
     let answers = shared.answer_budget.clone();
     metrics.gauge(
         "idemgate_answer_bytes_held",
@@ -286,8 +287,9 @@ impl Records {
     }
 }
 
-/// What every worker thread builds its route stacks from.
-struct Shared {
+/// The state in force: what every worker thread builds its route stacks
+/// from (a reload swaps in a new one).
+struct InForce {
     config: Config,
     /// Every route, built.
     routes: Vec<RoutePlan>,
@@ -327,14 +329,14 @@ struct Shared {
     upstream_cap: usize,
 }
 
-impl Shared {
+impl InForce {
     fn new(
         plan: Plan,
         metrics: &Arc<Metrics>,
         records: &Records,
         budgets: &idemgate_core::limits::Budgets,
         workers: usize,
-    ) -> Shared {
+    ) -> InForce {
         let token_routes = plan.token_routes();
         let Plan {
             config,
@@ -356,7 +358,7 @@ impl Shared {
                 (name, Arc::new(upstream))
             })
             .collect();
-        Shared {
+        InForce {
             admin_token,
             upstream_cap: budgets.upstream_connections,
             routes,
@@ -389,7 +391,7 @@ impl Shared {
 }
 
 /// What the admin API reads, from the shared state in force.
-fn admin_state(shared: &Shared, store: &Store) -> crate::admin::AdminState {
+fn admin_state(shared: &InForce, store: &Store) -> crate::admin::AdminState {
     crate::admin::AdminState {
         metrics: shared.metrics.clone(),
         store: store.clone(),

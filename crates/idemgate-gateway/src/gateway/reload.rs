@@ -21,7 +21,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{RunningGateway, Shared, admin_state, consumers};
+use super::{InForce, RunningGateway, admin_state, consumers};
 use crate::config::{Config, Plan};
 
 /// `SIGHUP`s, one message each (none where the platform has no signals).
@@ -187,13 +187,13 @@ impl Config {
     }
 }
 
-impl Shared {
+impl InForce {
     /// The shared state `plan` describes, keeping what lives for the whole
     /// process: the store, the claims in flight and their budgets, the
     /// metrics, the random token secret. `plan` carries the running values
     /// of the keys only a restart applies (see
     /// [`Config::keeping_restart_only`]).
-    fn reloaded(&self, plan: Plan) -> Shared {
+    fn reloaded(&self, plan: Plan) -> InForce {
         let token_routes = plan.token_routes();
         let Plan {
             config,
@@ -219,7 +219,7 @@ impl Shared {
                 (name, Arc::new(upstream))
             })
             .collect();
-        Shared {
+        InForce {
             routes,
             consumers,
             cors,

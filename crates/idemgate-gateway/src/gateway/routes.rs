@@ -11,14 +11,14 @@ use idemgate_proxy::{Proxy, Upstream};
 use idemgate_store::Store;
 use tower::Layer;
 
-use super::{Shared, StartError};
+use super::{InForce, StartError};
 use crate::config::{PathMatch, PolicyPlan, RouteMatcher, RoutePlan};
 use crate::router::{Route, RouteService, Router, TowerHandler};
 use crate::status_endpoint::StatusEndpoint;
 
 /// One worker's router: a stack per route, each proxy on this worker's own
 /// pool of connections to its upstream, and `/token`.
-pub(super) fn build_router(shared: &Shared, store: &Store) -> Result<Router, StartError> {
+pub(super) fn build_router(shared: &InForce, store: &Store) -> Result<Router, StartError> {
     // One pool per upstream per call: each worker builds its own router,
     // so connections never leave the thread that drives them.
     let pools: std::collections::HashMap<&str, (Arc<Upstream>, _)> = shared
@@ -62,7 +62,7 @@ pub(super) fn build_router(shared: &Shared, store: &Store) -> Result<Router, Sta
 
 /// A route's stack: its proxy alone, or its policy and the engine in front
 /// of it.
-fn route_service(shared: &Shared, store: &Store, route: &RoutePlan, proxy: Proxy) -> RouteService {
+fn route_service(shared: &InForce, store: &Store, route: &RoutePlan, proxy: Proxy) -> RouteService {
     let reconcile = route
         .reconcile_path
         .as_deref()
@@ -109,7 +109,7 @@ fn route_service(shared: &Shared, store: &Store, route: &RoutePlan, proxy: Proxy
 }
 
 /// `/token`, for `GET` and `POST`.
-fn token_route(shared: &Shared) -> Route {
+fn token_route(shared: &InForce) -> Route {
     Route {
         name: "token".into(),
         matcher: RouteMatcher {
@@ -134,7 +134,7 @@ fn token_route(shared: &Shared) -> Route {
 /// Each route with a `reconcile_path`, by its record identity (what an
 /// uncertain record names): its status endpoint on the calling runtime
 /// (the admin listener's), and its upstream's timeout.
-pub(super) fn reconcilers(shared: &Shared) -> crate::admin::Reconcilers {
+pub(super) fn reconcilers(shared: &InForce) -> crate::admin::Reconcilers {
     shared
         .routes
         .iter()

@@ -17,7 +17,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use idemgate_store::sql::{Orphaned, Scoping};
 use idemgate_store::{Store, StoreError};
 
-use crate::config::{ConfigError, Plan, PolicyPlan, Problem};
+use crate::config::{ConfigError, ConfigProblem, Plan, PolicyPlan};
 
 /// The namespace every token's record sits under (whatever route it is
 /// used on).
@@ -102,7 +102,7 @@ pub(super) async fn register(
 fn unchecked(origin: &str, e: &StoreError) -> ConfigError {
     ConfigError::Invalid {
         origin: origin.to_owned(),
-        problems: vec![Problem {
+        problems: vec![ConfigProblem {
             key: "store".into(),
             reason: format!(
                 "the records' scopes could not be checked against this configuration ({e}); \
@@ -113,7 +113,7 @@ fn unchecked(origin: &str, e: &StoreError) -> ConfigError {
 }
 
 /// One orphaned namespace, named by the entries of `plan` that keep it.
-fn problem(plan: &Plan, o: &Orphaned) -> Problem {
+fn problem(plan: &Plan, o: &Orphaned) -> ConfigProblem {
     let until = humantime::format_rfc3339_seconds(
         UNIX_EPOCH + Duration::from_millis(u64::try_from(o.until_ms).unwrap_or(0)),
     );
@@ -144,7 +144,7 @@ fn problem(plan: &Plan, o: &Orphaned) -> Problem {
         routes.chain(consumers).collect()
     };
     match &o.now {
-        Some(now) => Problem {
+        Some(now) => ConfigProblem {
             key: keepers.first().cloned().unwrap_or_else(|| "routes".into()),
             reason: format!(
                 "{} keep(s) the records under {:?}, written while they were scoped by {}; this \
@@ -156,7 +156,7 @@ fn problem(plan: &Plan, o: &Orphaned) -> Problem {
                 o.was
             ),
         },
-        None if o.route == TOKEN_RECORDS => Problem {
+        None if o.route == TOKEN_RECORDS => ConfigProblem {
             key: "routes".into(),
             reason: format!(
                 "tokens used within their records' retention ({count}) were bound to their \
@@ -165,7 +165,7 @@ fn problem(plan: &Plan, o: &Orphaned) -> Problem {
                 o.was
             ),
         },
-        None => Problem {
+        None => ConfigProblem {
             key: "routes".into(),
             reason: format!(
                 "records kept under {:?} (scoped by {}): {count}, and no route or consumer of this \

@@ -7,13 +7,13 @@ use std::sync::Arc;
 
 use idemgate_server::{ConnLimits, PeerService};
 
-use super::{Shared, StartError, redact, routes};
+use super::{InForce, StartError, redact, routes};
 
 /// Binds the public listener and starts one worker per thread; the
 /// address it is bound to (a port 0 resolved).
 pub(super) async fn spawn(
-    shared: &Arc<Shared>,
-    tables: &tokio::sync::watch::Receiver<Arc<Shared>>,
+    shared: &Arc<InForce>,
+    tables: &tokio::sync::watch::Receiver<Arc<InForce>>,
     limits: ConnLimits,
     signal: &idemgate_server::ShutdownSignal,
     threads: usize,
@@ -78,11 +78,13 @@ pub(super) async fn spawn(
 }
 
 /// One public-listener thread: its own event loop, socket and stacks.
+/// (Long by design: the thread's set-up in order — runtime, store, route
+/// table, serve loop, reload watch — each owning what the next uses.)
 fn spawn_worker(
     index: usize,
     listener: std::net::TcpListener,
     seat: idemgate_server::balance::Seat,
-    mut tables: tokio::sync::watch::Receiver<Arc<Shared>>,
+    mut tables: tokio::sync::watch::Receiver<Arc<InForce>>,
     limits: ConnLimits,
     signal: idemgate_server::ShutdownSignal,
     ready: tokio::sync::oneshot::Sender<Result<SocketAddr, StartError>>,

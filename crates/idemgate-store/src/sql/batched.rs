@@ -40,7 +40,8 @@ impl SqlStore {
     /// is inserted for its first job only; the second then meets the row
     /// like any duplicate.
     // `held` (and the lease and retention bound as parameters) only
-    // Postgres reads.
+    // Postgres reads. (Long by design: one arm per database's way of
+    // inserting a batch.)
     #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub(crate) async fn insert_claims(
         &self,

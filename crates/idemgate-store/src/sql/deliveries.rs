@@ -143,3 +143,85 @@ pub enum DeadLetterClaim {
     /// Another instance, under a live lease.
     Busy,
 }
+
+/// One consumer's delivery log: its messages' failed attempts and the
+/// leases on their dead-letter copies, kept under the consumer's record
+/// identity. The handle the MQ link holds, so that it reaches nothing of
+/// the store but what it owns.
+#[derive(Clone)]
+pub struct DeliveryLog {
+    sql: SqlStore,
+    consumer: std::sync::Arc<str>,
+}
+
+impl DeliveryLog {
+    /// The log of the consumer whose records are kept under `consumer`.
+    pub fn new(sql: SqlStore, consumer: &str) -> DeliveryLog {
+        DeliveryLog {
+            sql,
+            consumer: consumer.into(),
+        }
+    }
+
+    /// A message's failed attempts and whether its dead-letter copy is
+    /// stored (see [`SqlStore::delivery`]).
+    pub async fn delivery(&self, key: &str) -> Result<(u32, bool), StoreError> {
+        self.sql.delivery(&self.consumer, key).await
+    }
+
+    /// Counts a failed attempt (see [`SqlStore::count_delivery_failure`]).
+    pub async fn count_failure(&self, key: &str, first: bool) -> Result<u32, StoreError> {
+        self.sql
+            .count_delivery_failure(&self.consumer, key, first)
+            .await
+    }
+
+    /// Says the message's dead-letter copy is stored.
+    pub async fn mark_dead_lettered(&self, key: &str) -> Result<(), StoreError> {
+        self.sql.mark_dead_lettered(&self.consumer, key).await
+    }
+
+    /// Takes the lease to publish the message's dead-letter copy (see
+    /// [`SqlStore::claim_dead_letter`]).
+    pub async fn claim_dead_letter(
+        &self,
+        key: &str,
+        holder: &str,
+        lease: Duration,
+    ) -> Result<DeadLetterClaim, StoreError> {
+        self.sql
+            .claim_dead_letter(&self.consumer, key, holder, lease)
+            .await
+    }
+
+    /// Extends `holder`'s copy lease (see [`SqlStore::renew_dead_letter`]).
+    pub async fn renew_dead_letter(
+        &self,
+        key: &str,
+        holder: &str,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.sql
+            .renew_dead_letter(&self.consumer, key, holder, lease)
+            .await
+    }
+
+    /// Gives the copy lease back (see [`SqlStore::release_dead_letter`]).
+    pub async fn release_dead_letter(&self, key: &str, holder: &str) -> Result<(), StoreError> {
+        self.sql
+            .release_dead_letter(&self.consumer, key, holder)
+            .await
+    }
+
+    /// Whether an attempt of the message is open (a record held under a
+    /// live lease, or uncertain within its hold), on any instance.
+    pub async fn attempt_open(&self, key: &str) -> Result<bool, StoreError> {
+        let records = self.sql.find(&self.consumer, key).await?;
+        Ok(records.iter().any(crate::Record::is_held))
+    }
+
+    /// The store's bound on one operation.
+    pub fn timeout(&self) -> Duration {
+        self.sql.timeout()
+    }
+}

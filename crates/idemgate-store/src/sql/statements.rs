@@ -193,6 +193,10 @@ const COPYING: &str = "(idempotency_deliveries.copying_until IS NOT NULL \
      AND idempotency_deliveries.copying_until > {now})";
 
 impl Statements {
+    /// Every statement's text, with this database's clock. Long by design:
+    /// a table, one field per statement, written once for every database
+    /// so that the statements that must agree on one schema stand side by
+    /// side.
     fn with_clock(now: &str, epoch: &str) -> Statements {
         // For statements that must agree on one instant: the time is `$1`,
         // the tombstone `$2`.

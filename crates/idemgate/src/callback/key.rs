@@ -30,7 +30,7 @@ pub enum KeySource {
 
 /// Why no business key could be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KeyError {
+pub enum BusinessKeyError {
     /// This source is absent or empty.
     #[error("{0} is missing or empty")]
     Missing(String),
@@ -80,9 +80,9 @@ impl KeySource {
         parts: &Parts,
         json: &mut Option<Result<serde_json::Value, String>>,
         body: &Bytes,
-    ) -> Result<String, KeyError> {
-        let missing = || KeyError::Missing(self.describe());
-        let invalid = |reason: &str| KeyError::Invalid {
+    ) -> Result<String, BusinessKeyError> {
+        let missing = || BusinessKeyError::Missing(self.describe());
+        let invalid = |reason: &str| BusinessKeyError::Invalid {
             origin: self.describe(),
             reason: reason.to_owned(),
         };
@@ -127,12 +127,12 @@ impl KeySource {
 /// One source's value as a key part: refused when empty (missing) or when
 /// it holds a control character (Postgres refuses NUL, and the refusal
 /// would fail every claim batched with it).
-pub fn check_key_value(origin: &str, value: String) -> Result<String, KeyError> {
+pub fn check_key_value(origin: &str, value: String) -> Result<String, BusinessKeyError> {
     if value.is_empty() {
-        return Err(KeyError::Missing(origin.to_owned()));
+        return Err(BusinessKeyError::Missing(origin.to_owned()));
     }
     if value.chars().any(char::is_control) {
-        return Err(KeyError::Invalid {
+        return Err(BusinessKeyError::Invalid {
             origin: origin.to_owned(),
             reason: "holds a control character".into(),
         });
@@ -142,7 +142,7 @@ pub fn check_key_value(origin: &str, value: String) -> Result<String, KeyError> 
 
 /// Joins the parts of a key: one part as it is, several with length
 /// prefixes; refused over [`MAX_KEY_BYTES`].
-pub fn join_key_values(values: Vec<String>) -> Result<String, KeyError> {
+pub fn join_key_values(values: Vec<String>) -> Result<String, BusinessKeyError> {
     let key = match <[String; 1]>::try_from(values) {
         Ok([single]) => single,
         Err(many) => many
@@ -152,7 +152,7 @@ pub fn join_key_values(values: Vec<String>) -> Result<String, KeyError> {
             .join("|"),
     };
     if key.len() > MAX_KEY_BYTES {
-        return Err(KeyError::Invalid {
+        return Err(BusinessKeyError::Invalid {
             origin: "the business key".into(),
             reason: format!("{} bytes, over {MAX_KEY_BYTES}", key.len()),
         });
@@ -200,7 +200,7 @@ pub fn business_key(
     sources: &[KeySource],
     parts: &Parts,
     body: &Bytes,
-) -> Result<String, KeyError> {
+) -> Result<String, BusinessKeyError> {
     let mut json = None;
     let values = sources
         .iter()
@@ -243,18 +243,24 @@ mod tests {
         );
         assert!(matches!(
             key(&["json:/nested"]),
-            Err(KeyError::Invalid { .. })
+            Err(BusinessKeyError::Invalid { .. })
         ));
-        assert!(matches!(key(&["json:/absent"]), Err(KeyError::Missing(_))));
+        assert!(matches!(
+            key(&["json:/absent"]),
+            Err(BusinessKeyError::Missing(_))
+        ));
         assert!(matches!(
             key(&["header:x-absent"]),
-            Err(KeyError::Missing(_))
+            Err(BusinessKeyError::Missing(_))
         ));
-        assert!(matches!(key(&["query:absent"]), Err(KeyError::Missing(_))));
+        assert!(matches!(
+            key(&["query:absent"]),
+            Err(BusinessKeyError::Missing(_))
+        ));
         let not_json = Bytes::from_static(b"trade_no=T1");
         assert!(matches!(
             business_key(&sources(&["json:/trade_no"]), &p, &not_json),
-            Err(KeyError::Invalid { .. })
+            Err(BusinessKeyError::Invalid { .. })
         ));
     }
 

@@ -8,7 +8,7 @@ mod policy;
 pub mod signature;
 
 pub use key::{
-    KeyError, KeySource, MAX_KEY_BYTES, business_key, check_key_value, join_key_values,
+    BusinessKeyError, KeySource, MAX_KEY_BYTES, business_key, check_key_value, join_key_values,
     match_values,
 };
 pub use policy::{CallbackPolicy, ROUTE_SCOPE};

@@ -105,8 +105,8 @@ impl Policy for CallbackPolicy {
         }
         let key = business_key(&self.sources, parts, body).map_err(|e| {
             let reason = match e {
-                super::key::KeyError::Missing(_) => Reason::BusinessKeyMissing,
-                super::key::KeyError::Invalid { .. } => Reason::BusinessKeyInvalid,
+                super::key::BusinessKeyError::Missing(_) => Reason::BusinessKeyMissing,
+                super::key::BusinessKeyError::Invalid { .. } => Reason::BusinessKeyInvalid,
             };
             Problem::new(reason).detail(e.to_string())
         })?;

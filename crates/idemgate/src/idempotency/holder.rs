@@ -83,7 +83,7 @@ pub(super) struct Claimed {
 
 /// What a waiting duplicate learns from the holder.
 #[derive(Debug, Clone)]
-pub enum Outcome {
+pub enum Published {
     /// Replay this, and the record's expiry.
     Stored(StoredResponse, i64),
     /// The claim was released (nothing happened upstream): claim again.
@@ -183,7 +183,7 @@ struct Live {
     fingerprint: String,
     expires_at_ms: i64,
     stage: Stage,
-    outcome: watch::Sender<Option<Outcome>>,
+    outcome: watch::Sender<Option<Published>>,
 }
 
 impl Holders {
@@ -213,7 +213,7 @@ impl Holders {
         }
     }
 
-    fn publish(&self, key: &RecordKey, epoch: i64, outcome: Outcome) {
+    fn publish(&self, key: &RecordKey, epoch: i64, outcome: Published) {
         if let Some(live) = self.lock().get(key).filter(|l| l.epoch == epoch) {
             live.outcome.send_replace(Some(outcome));
         }
@@ -235,7 +235,7 @@ impl Holders {
         &self,
         key: &RecordKey,
         fingerprint: &str,
-    ) -> Option<watch::Receiver<Option<Outcome>>> {
+    ) -> Option<watch::Receiver<Option<Published>>> {
         self.lock()
             .get(key)
             .filter(|l| l.fingerprint == fingerprint)
@@ -318,6 +318,8 @@ pub(super) struct Holder<L> {
 
 impl<L: Ledger> Holder<L> {
     /// Sees the claim through: forward, receive, answer (`reply`, as soon
+    /// (Long by design: the claim's stages in the order they happen, each
+    /// marked with `set_stage`, so the life of a claim reads top to bottom.)
     /// as the answer is in hand), record. Run it in a task of its own: it
     /// must not be dropped with a client's connection.
     pub(super) async fn run<S>(
@@ -387,7 +389,7 @@ impl<L: Ledger> Holder<L> {
             self.holders.publish(
                 &self.claim.key,
                 self.claim.epoch,
-                Outcome::Stored(stored.clone(), self.claim.expires_at_ms),
+                Published::Stored(stored.clone(), self.claim.expires_at_ms),
             );
         }
         // The first write before the answer, so that a client who retries
@@ -412,11 +414,11 @@ impl<L: Ledger> Holder<L> {
             Write::Complete(_) => {}
             Write::Release => {
                 self.holders
-                    .publish(&self.claim.key, self.claim.epoch, Outcome::Retry)
+                    .publish(&self.claim.key, self.claim.epoch, Published::Retry)
             }
             Write::Uncertain { .. } => {
                 self.holders
-                    .publish(&self.claim.key, self.claim.epoch, Outcome::Uncertain)
+                    .publish(&self.claim.key, self.claim.epoch, Published::Uncertain)
             }
         }
     }
@@ -772,7 +774,7 @@ mod tests {
         // forwarded beside a copy that may still run upstream.
         let mut outcome = holders.subscribe(&key, "fp").expect("registered");
         let seen = outcome.wait_for(|o| o.is_some()).await.map(|o| o.clone());
-        assert!(matches!(seen, Ok(Some(Outcome::Uncertain))), "{seen:?}");
+        assert!(matches!(seen, Ok(Some(Published::Uncertain))), "{seen:?}");
         let response = task.await.unwrap().unwrap();
         assert_eq!(response.status(), StatusCode::GATEWAY_TIMEOUT);
         let writes = script.writes.lock().unwrap().clone();
@@ -869,7 +871,7 @@ mod tests {
         assert!(holders.subscribe(&key, "another request").is_none());
         let mut outcome = holders.subscribe(&key, "fp").expect("registered");
         let seen = outcome.wait_for(|o| o.is_some()).await.unwrap().clone();
-        assert!(matches!(seen, Some(Outcome::Stored(s, _)) if s.status == 201));
+        assert!(matches!(seen, Some(Published::Stored(s, _)) if s.status == 201));
         task.await.unwrap();
 
         let (holder, holders) = self::holder(&script, Duration::from_secs(30));
@@ -877,7 +879,7 @@ mod tests {
         tokio::task::yield_now().await;
         if let Some(mut outcome) = holders.subscribe(&key, "fp") {
             let seen = outcome.wait_for(|o| o.is_some()).await.map(|o| o.clone());
-            assert!(matches!(seen, Ok(Some(Outcome::Retry)) | Err(_)));
+            assert!(matches!(seen, Ok(Some(Published::Retry)) | Err(_)));
         }
         task.await.unwrap();
         assert_eq!(

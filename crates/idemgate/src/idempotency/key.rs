@@ -21,7 +21,7 @@ pub(super) const MAX_KEY_LEN: usize = 255;
 
 /// Why a key header was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(super) enum KeyError {
+pub(super) enum HeaderKeyError {
     #[error("more than one Idempotency-Key header")]
     Multiple,
     #[error("the key is empty")]
@@ -35,45 +35,45 @@ pub(super) enum KeyError {
 }
 
 /// Reads the key: `Ok(None)` when absent.
-pub(super) fn parse_key(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
+pub(super) fn parse_key(headers: &HeaderMap) -> Result<Option<String>, HeaderKeyError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
     if values.next().is_some() {
-        return Err(KeyError::Multiple);
+        return Err(HeaderKeyError::Multiple);
     }
     let raw = value.as_bytes();
     let key = match raw {
         [b'"', inner @ .., b'"'] => unquote(inner)?,
-        [b'"', ..] => return Err(KeyError::BadQuoting),
+        [b'"', ..] => return Err(HeaderKeyError::BadQuoting),
         _ => raw.to_vec(),
     };
     if key.is_empty() {
-        return Err(KeyError::Empty);
+        return Err(HeaderKeyError::Empty);
     }
     if key.len() > MAX_KEY_LEN {
-        return Err(KeyError::TooLong);
+        return Err(HeaderKeyError::TooLong);
     }
     if !key.iter().all(|b| (0x20..=0x7e).contains(b)) {
-        return Err(KeyError::BadCharacter);
+        return Err(HeaderKeyError::BadCharacter);
     }
     // Printable ASCII is valid UTF-8.
     Ok(Some(
-        String::from_utf8(key).map_err(|_| KeyError::BadCharacter)?,
+        String::from_utf8(key).map_err(|_| HeaderKeyError::BadCharacter)?,
     ))
 }
 
-fn unquote(inner: &[u8]) -> Result<Vec<u8>, KeyError> {
+fn unquote(inner: &[u8]) -> Result<Vec<u8>, HeaderKeyError> {
     let mut out = Vec::with_capacity(inner.len());
     let mut bytes = inner.iter();
     while let Some(&b) = bytes.next() {
         match b {
             b'\\' => match bytes.next() {
                 Some(&e @ (b'"' | b'\\')) => out.push(e),
-                _ => return Err(KeyError::BadQuoting),
+                _ => return Err(HeaderKeyError::BadQuoting),
             },
-            b'"' => return Err(KeyError::BadQuoting),
+            b'"' => return Err(HeaderKeyError::BadQuoting),
             _ => out.push(b),
         }
     }
@@ -120,7 +120,7 @@ impl Policy for KeyPolicy {
 mod tests {
     use super::*;
 
-    fn parse(values: &[&[u8]]) -> Result<Option<String>, KeyError> {
+    fn parse(values: &[&[u8]]) -> Result<Option<String>, HeaderKeyError> {
         let mut h = HeaderMap::new();
         for v in values {
             h.append(IDEMPOTENCY_KEY, http::HeaderValue::from_bytes(v).unwrap());
@@ -134,13 +134,13 @@ mod tests {
         assert_eq!(parse(&[b"order-1"]), Ok(Some("order-1".into())));
         assert_eq!(parse(&[b"\"order-1\""]), Ok(Some("order-1".into())));
         assert_eq!(parse(&[br#""a\"b\\c""#]), Ok(Some(r#"a"b\c"#.into())));
-        assert_eq!(parse(&[b"\"\""]), Err(KeyError::Empty));
-        assert_eq!(parse(&[b"\"abc"]), Err(KeyError::BadQuoting));
-        assert_eq!(parse(&[br#""a\x""#]), Err(KeyError::BadQuoting));
+        assert_eq!(parse(&[b"\"\""]), Err(HeaderKeyError::Empty));
+        assert_eq!(parse(&[b"\"abc"]), Err(HeaderKeyError::BadQuoting));
+        assert_eq!(parse(&[br#""a\x""#]), Err(HeaderKeyError::BadQuoting));
         assert_eq!(parse(&[&[b'k'; 255]]).unwrap().unwrap().len(), 255);
-        assert_eq!(parse(&[&[b'k'; 256]]), Err(KeyError::TooLong));
-        assert_eq!(parse(&[b"caf\xc3\xa9"]), Err(KeyError::BadCharacter));
-        assert_eq!(parse(&[b"a\tb"]), Err(KeyError::BadCharacter));
-        assert_eq!(parse(&[b"a", b"b"]), Err(KeyError::Multiple));
+        assert_eq!(parse(&[&[b'k'; 256]]), Err(HeaderKeyError::TooLong));
+        assert_eq!(parse(&[b"caf\xc3\xa9"]), Err(HeaderKeyError::BadCharacter));
+        assert_eq!(parse(&[b"a\tb"]), Err(HeaderKeyError::BadCharacter));
+        assert_eq!(parse(&[b"a", b"b"]), Err(HeaderKeyError::Multiple));
     }
 }
