@@ -608,3 +608,91 @@ fn the_compose_files_gateway_passes_check_config() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.admin_token"));
 }
+
+/// What a section of the file needs besides the key under test, to parse.
+fn section_context(section: &str) -> Option<&'static str> {
+    Some(match section {
+        "[server]" | "[store]" | "[tokens]" | "[identity]" | "[telemetry]" | "[server.cors]" => "",
+        "[identity.jwt]" => "",
+        "[[upstreams]]" => "name = \"o\"\nurl = \"http://127.0.0.1:9001\"",
+        "[[routes]]" => "name = \"r\"\npath = \"/r\"\nupstream = \"o\"",
+        "[[consumers]]" => {
+            "name = \"c\"\nsource = \"amqp://127.0.0.1:5672/%2f\"\nupstream = \"o\"\npath = \"/p\""
+        }
+        _ => return None,
+    })
+}
+
+/// A cell's default as TOML: its first `literal`, quoted unless it is a
+/// number, a boolean, an array or already a string.
+fn toml_literal(cell: &str) -> Option<String> {
+    let rest = cell.trim().strip_prefix('`')?;
+    let literal = &rest[..rest.find('`')?];
+    // `<queue>.dlq`: made from another key, not one literal.
+    if literal.contains('<') {
+        return None;
+    }
+    let bare = literal.parse::<i64>().is_ok()
+        || ["true", "false"].contains(&literal)
+        || literal.starts_with('[')
+        || literal.starts_with('"');
+    Some(if bare {
+        literal.to_owned()
+    } else {
+        format!("{literal:?}")
+    })
+}
+
+/// The defaults column of docs/configuration.md says what the code does:
+/// for every key whose documented default is one literal, a file that sets
+/// the key to it reads exactly as one that leaves it out.
+#[test]
+fn the_documented_defaults_are_the_codes() {
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/configuration.md"
+    ))
+    .unwrap();
+    let mut section = String::new();
+    let mut checked = 0;
+    for line in page.lines() {
+        if let Some(heading) = line.strip_prefix("## ") {
+            section = heading.trim().to_owned();
+            continue;
+        }
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() < 4 || !cells[1].starts_with('`') {
+            continue;
+        }
+        let key = cells[1].trim_matches('`');
+        let Some(context) = section_context(&section) else {
+            continue;
+        };
+        let Some(literal) = toml_literal(cells[2]) else {
+            continue;
+        };
+        let base = |extra: &str| {
+            let upstream = if section == "[[routes]]" || section == "[[consumers]]" {
+                "[[upstreams]]\nname = \"o\"\nurl = \"http://127.0.0.1:9001\"\n"
+            } else {
+                ""
+            };
+            format!("{upstream}{section}\n{context}\n{extra}\n")
+        };
+        let without = idemgate_gateway::config::Config::parse(&base(""), "docs")
+            .unwrap_or_else(|e| panic!("{section}: {e}"));
+        let with =
+            idemgate_gateway::config::Config::parse(&base(&format!("{key} = {literal}")), "docs")
+                .unwrap_or_else(|e| panic!("{section} {key} = {literal}: {e}"));
+        assert_eq!(
+            format!("{without:?}"),
+            format!("{with:?}"),
+            "docs/configuration.md says {section} {key} defaults to {literal}; the code's default differs"
+        );
+        checked += 1;
+    }
+    assert!(
+        checked >= 40,
+        "only {checked} defaults checked: did the page's tables change shape?"
+    );
+}

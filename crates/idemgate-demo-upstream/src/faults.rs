@@ -34,11 +34,17 @@ pub enum DropPoint {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultPlan {
+    /// Wait this many milliseconds before handling the request.
     pub delay_ms: Option<u64>,
+    /// Answer with this status without acting (an invalid one: 503).
     pub fail_status: Option<u16>,
+    /// Drop the connection before acting or after committing.
     pub drop: Option<DropPoint>,
+    /// Commit, send the head and a few body bytes, then reset the connection.
     #[serde(default)]
     pub cut_body: bool,
+    /// Commit, send the head and 5 body bytes, stall this many milliseconds,
+    /// then send the rest.
     pub stall_body_ms: Option<u64>,
     /// How many requests the plan applies to; absent = all until cleared.
     pub count: Option<u64>,

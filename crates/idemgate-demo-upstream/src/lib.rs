@@ -10,6 +10,14 @@
 //!
 //! `POST /actions/{name}` is deliberately *not* idempotent: it executes on
 //! every call, so a test can see any duplicate that slipped through.
+//!
+//! # Layout
+//!
+//! - `handlers.rs`: the routes (orders, coupons, payments, actions, the
+//!   status endpoint, stats, faults).
+//! - `state.rs`: the business state and the execution counts.
+//! - [`faults`]: the fault switches.
+#![warn(missing_docs)]
 
 pub mod faults;
 mod handlers;

@@ -65,20 +65,31 @@ pub const RESERVED_PATHS: &[&str] = &["/token"];
 #[derive(Debug, Clone, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// `[server]`: the listeners, the admin token, and the bounds on
+    /// connections, bodies and claims.
     #[serde(default)]
     pub server: ServerConfig,
+    /// `[store]`: the durable record, the fast layer, retention and lease.
     #[serde(default)]
     pub store: StoreConfig,
+    /// `[tokens]`: the one-time tokens `/token` issues.
     #[serde(default)]
     pub tokens: TokenConfig,
+    /// `[identity]`: who a client is, which scopes the records of key and
+    /// token routes.
     #[serde(default)]
     pub identity: IdentityConfig,
+    /// `[[upstreams]]`: the services requests are forwarded to.
     #[serde(default)]
     pub upstreams: Vec<UpstreamConfig>,
+    /// `[[routes]]`: which requests go to which upstream, under which policy.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// `[[consumers]]`: queues and streams Idemgate consumes and POSTs to an
+    /// upstream once per message.
     #[serde(default)]
     pub consumers: Vec<ConsumerConfig>,
+    /// `[telemetry]`: traces over OTLP (off without `otlp_endpoint`).
     #[serde(default)]
     pub telemetry: TelemetryConfig,
 }
@@ -89,23 +100,38 @@ pub struct Config {
 /// thing risky in it): the key and the reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigProblem {
+    /// The key at fault, with its place (`upstreams[2].url`).
     pub key: String,
+    /// What is wrong with it.
     pub reason: String,
 }
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The file could not be read.
     #[error("{origin}: cannot read: {source}")]
     Read {
+        /// The file's path.
         origin: String,
+        /// Why reading failed.
         source: std::io::Error,
     },
+    /// The TOML is malformed, or has an unknown key or a wrong type (the
+    /// first such error only).
     #[error("{origin}: {message}")]
-    Parse { origin: String, message: String },
+    Parse {
+        /// The file's path.
+        origin: String,
+        /// The parser's message, naming the key and the line.
+        message: String,
+    },
+    /// The file was read but failed validation.
     #[error("{origin}: {} problem(s):\n{}", problems.len(), render_problems(problems))]
     Invalid {
+        /// The file's path, or "the configuration" when no file is named.
         origin: String,
+        /// Every problem found, each with its key.
         problems: Vec<ConfigProblem>,
     },
 }

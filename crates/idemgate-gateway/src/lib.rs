@@ -12,6 +12,8 @@
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/*`.
 //! - [`status_endpoint`]: reconciliation over a route's own upstream.
 
+#![warn(missing_docs)]
+
 pub mod admin;
 pub mod config;
 pub mod gateway;

@@ -44,21 +44,36 @@ pub type RouteService = Arc<dyn Handler>;
 /// Why the router answered a request itself.
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
+    /// No route's path matches: `404`.
     #[error("no route matches the path")]
     NotFound,
+    /// Routes match the path but none takes the method: `405`.
     #[error("the route does not take this method")]
-    MethodNotAllowed { allow: String },
+    MethodNotAllowed {
+        /// The methods the matching routes take, for the `Allow` header.
+        allow: String,
+    },
+    /// The path has segments another hop could read as a different path
+    /// (dot segments, `//`, encoded slashes): refused so that no route is
+    /// reached through another.
     #[error("the path could be read as a different path")]
     InvalidPath,
+    /// Both `Content-Length` and `Transfer-Encoding` (RFC 9112 §6.3): refused,
+    /// and the connection is closed.
     #[error("both Content-Length and Transfer-Encoding")]
     AmbiguousFraming,
 }
 
 /// One entry of the table.
 pub struct Route {
+    /// The route's name, as metrics, logs and spans show it.
     pub name: Arc<str>,
+    /// Which requests it takes.
     pub matcher: RouteMatcher,
+    /// Its whole stack: for a `[[routes]]` entry, its policy layer (if
+    /// any) over the proxy to its upstream.
     pub service: RouteService,
+    /// Its counters in `idemgate_requests_total`, by outcome.
     pub counters: Arc<RouteCounters>,
     /// The route's policy, as its requests' spans name it.
     pub policy: &'static str,

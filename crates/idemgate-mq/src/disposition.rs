@@ -21,8 +21,12 @@ pub enum Disposition {
     /// the message's copy lease as `holder` ([`Deliverer::while_copying`]
     /// keeps it).
     DeadLetter {
+        /// Why, as logged and carried by the copy Idemgate publishes.
         reason: String,
+        /// Which copy this is (empty until the copy lease names it).
         copy: String,
+        /// The id this instance holds the copy lease under (empty until the
+        /// lease is won).
         holder: String,
     },
 }

@@ -21,6 +21,20 @@
 //!
 //! `amqp`, `nats` and `redis_streams` own the broker connections: consuming, acks,
 //! dead-letter publishing, reconnecting with backoff, and the graceful stop.
+//!
+//! # Layout
+//!
+//! - `lib.rs`: the vocabulary — [`Source`], [`ConsumerSettings`],
+//!   [`Message`] and the headers each request carries.
+//! - `deliverer.rs`: [`Deliverer`], a message through the engine and what
+//!   the engine's verdict means ([`Disposition`], `disposition.rs`).
+//! - `dead_letter.rs`: dead letters made once across instances.
+//! - [`key`]: business keys of messages, and their rows in the delivery
+//!   log.
+//! - `sessions.rs`: [`Consumers`], each broker session kept connected.
+//! - `amqp.rs` (`amqp/acks.rs`), `nats.rs`, `redis_streams.rs`: one
+//!   module per broker, each behind its feature.
+#![warn(missing_docs)]
 
 #[cfg(feature = "amqp")]
 mod amqp;
@@ -65,16 +79,23 @@ pub const CONSUMER_SCOPE: &str = "consumer";
 pub enum Source {
     /// A RabbitMQ queue, and where its dead letters go.
     Amqp {
+        /// `amqp://…` or `amqps://…`.
         url: String,
+        /// The queue consumed; it must exist (checked, never created).
         queue: String,
+        /// Where its dead letters go.
         dead_letter: DeadLetters,
     },
     /// A durable pull consumer of a JetStream stream, and the subject its
     /// dead letters go to.
     Nats {
+        /// `nats://…` or `tls://…`.
         url: String,
+        /// The stream; it must exist.
         stream: String,
+        /// The durable pull consumer, created if absent.
         durable: String,
+        /// The subject dead letters are published to, outside the stream.
         dead_letter: String,
     },
     /// A consumer group of a Redis stream.
@@ -149,14 +170,22 @@ pub struct ConsumerSettings {
     /// The identity its records and delivery counts are kept under (its
     /// name unless it keeps another across a rename).
     pub records: Arc<str>,
+    /// The broker it reads from, and where its dead letters go.
     pub source: Source,
+    /// The upstream path each message is POSTed to.
     pub path: http::uri::PathAndQuery,
+    /// Where the business key is read from; several form a composite key.
     pub sources: Arc<[MessageKeySource]>,
     /// Fields a redelivery with the same key must repeat (else it is
     /// dead-lettered, and logged as an error).
     pub must_match: Arc<[MessageKeySource]>,
+    /// Messages in flight at once (AMQP prefetch, NATS max ack pending,
+    /// Redis entries in hand).
     pub prefetch: u16,
+    /// Failed upstream attempts before a message is dead-lettered, counted
+    /// in the store across instances and restarts.
     pub max_deliveries: u32,
+    /// How long a failed message waits before it is delivered again.
     pub retry_delay: Duration,
     /// The upstream's timeout (NATS redelivers an unacked message after
     /// twice this, or 30 s, whichever is longer).
@@ -168,11 +197,18 @@ pub struct ConsumerSettings {
 /// One delivery, whatever the broker.
 #[derive(Debug, Clone)]
 pub struct Message {
+    /// Its id (AMQP `message_id`, NATS `Nats-Msg-Id`, the Redis entry id),
+    /// sent upstream as `X-Msg-Id`.
     pub id: Option<String>,
+    /// The routing key (AMQP), subject (NATS) or stream (Redis), sent
+    /// upstream as `X-Topic`.
     pub topic: String,
     /// Header values as text, or why not.
     pub headers: Vec<(String, Result<String, String>)>,
+    /// Its content type, sent upstream as `Content-Type`
+    /// (`application/octet-stream` when absent or not a valid value).
     pub content_type: Option<String>,
+    /// The payload, POSTed upstream as the request body.
     pub body: Bytes,
     /// The broker's delivery count, 1-based (0: the broker does not count).
     pub delivery_count: u64,

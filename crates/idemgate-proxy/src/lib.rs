@@ -13,6 +13,18 @@
 //! The proxy never retries a request that may have reached the upstream. It
 //! re-sends only a request that hyper handed back unwritten because its
 //! pooled connection had closed.
+//!
+//! # Layout
+//!
+//! - `service.rs`: [`Proxy`], the tower service, and how its errors become
+//!   answers.
+//! - `client.rs`, `connect.rs`: hyper's client on one connection, and
+//!   connecting (TCP, TLS, ALPN) with what a failure means for a claim.
+//! - `pool/`: each worker's keep-alive connections per upstream, HTTP/2
+//!   sharing, and the connection cap's queue.
+//! - `headers.rs`: what is stripped and added on the way up and down.
+//! - [`tls`]: TLS configuration, and the plain-or-TLS stream type.
+#![warn(missing_docs)]
 
 mod client;
 mod connect;

@@ -24,8 +24,11 @@ use tracing::Instrument;
 /// Where a route forwards to.
 #[derive(Debug)]
 pub struct Upstream {
+    /// Its `[[upstreams]]` name, as logs, metrics and errors show it.
     pub name: String,
+    /// `host:port` connected to (IPv6 hosts bracketed), from its URL.
     pub authority: Authority,
+    /// Bound on the whole answer, head and body; connects get half of it.
     pub timeout: Duration,
     /// `https://`: TLS settings and the name the certificate must carry.
     pub tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
@@ -38,15 +41,21 @@ pub struct Upstream {
 /// What an upstream is made from: a validated `[[upstreams]]` entry.
 #[derive(Debug, Clone, Copy)]
 pub struct UpstreamSpec<'a> {
+    /// The entry's `name`.
     pub name: &'a str,
+    /// The entry's `url`: `http://host:port` or `https://host:port`.
     pub url: &'a str,
+    /// The entry's `timeout`: bound on the whole answer.
     pub timeout: Duration,
     /// `https://` only: PEM trust anchors instead of the system roots.
     pub ca_file: Option<&'a str>,
     /// `https://` only: the client certificate and key (mutual TLS).
     pub client_cert: Option<&'a str>,
+    /// `https://` only: the private key of `client_cert`.
     pub client_key: Option<&'a str>,
+    /// Speak HTTP/2 to it.
     pub http2: bool,
+    /// The cap on HTTP/1.1 connections to it across the workers (0: none).
     pub max_connections: usize,
 }
 
@@ -138,18 +147,44 @@ impl Upstream {
 /// Why a forward failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
+    /// No connection to the named upstream could be made: nothing was sent.
     #[error("connecting to upstream {0} failed")]
     Connect(String),
+    /// The upstream's certificate was refused (or it refused ours): nothing
+    /// was sent.
     #[error("TLS with upstream {upstream} failed: {cause}")]
-    Tls { upstream: String, cause: String },
+    Tls {
+        /// The upstream's name.
+        upstream: String,
+        /// What TLS reported.
+        cause: String,
+    },
+    /// The named upstream's answer did not arrive within its `timeout`: it
+    /// may have acted.
     #[error("upstream {0} gave no answer within its timeout")]
     Timeout(String),
+    /// No connection under the named upstream's `max_connections` came free
+    /// within the connect timeout: nothing was sent.
     #[error("every allowed connection to upstream {0} stayed in use")]
     Busy(String),
+    /// The request may have reached the upstream, but no usable answer came
+    /// back: it may have acted.
     #[error("upstream {upstream} connection failed: {cause}")]
-    Broken { upstream: String, cause: String },
+    Broken {
+        /// The upstream's name.
+        upstream: String,
+        /// What the connection reported.
+        cause: String,
+    },
+    /// The client's body is over `server.max_body_bytes`: the upstream never
+    /// got a complete request.
     #[error("request body over {limit} bytes")]
-    BodyTooLarge { limit: u64 },
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: u64,
+    },
+    /// Reading the client's body failed: the upstream never got a complete
+    /// request.
     #[error("reading the request body failed: {0}")]
     BadRequestBody(String),
 }

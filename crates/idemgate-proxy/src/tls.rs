@@ -27,8 +27,11 @@ pub const ALPN_HTTP1: &[u8] = b"http/1.1";
 #[derive(Debug, thiserror::Error)]
 #[error("{key} = {path:?}: {reason}")]
 pub struct TlsConfigError {
+    /// The config key that names the file (`upstreams[2].ca_file`).
     pub key: String,
+    /// The file's path as configured (empty when no file is at fault).
     pub path: String,
+    /// Why it cannot be used.
     pub reason: String,
 }
 
@@ -211,7 +214,9 @@ pub fn is_rustls_error(e: &(dyn std::error::Error + 'static)) -> bool {
 /// both run over. `T` is the TLS stream (server or client side).
 #[derive(Debug)]
 pub enum Stream<T> {
+    /// Plain TCP.
     Plain(TcpStream),
+    /// TLS over TCP, boxed to keep the enum small.
     Tls(Box<T>),
 }
 

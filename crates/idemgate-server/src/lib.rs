@@ -21,6 +21,14 @@
 //! and closes keep-alive connections), bounded by a grace period. With
 //! several workers, [`balance`] decides which worker serves each new
 //! connection.
+//!
+//! # Layout
+//!
+//! - `lib.rs`: [`serve`] — the accept loop, refusals at the cap, TLS, the
+//!   protocol per connection, the graceful drain — and [`ConnLimits`].
+//! - [`balance`]: which worker serves each new connection.
+//! - `idle.rs`: closing HTTP/2 connections with nothing to do.
+#![warn(missing_docs)]
 
 pub mod balance;
 mod idle;
@@ -62,6 +70,8 @@ pub const H2_MAX_LOCAL_ERROR_RESETS: usize = 256;
 pub struct ConnLimits {
     /// Bound on the TLS handshake and on each HTTP/1.1 request head.
     pub header_read_timeout: Duration,
+    /// Connections this loop serves at once; each holds a slot until its
+    /// last claim ends.
     pub max_connections: usize,
     /// Connections past `max_connections` a loop may hold at once only to
     /// refuse them (`503 connections-exhausted` with `Retry-After`, then
@@ -72,6 +82,8 @@ pub struct ConnLimits {
     /// Claims one connection may leave live (see
     /// [`idemgate_core::budget`]).
     pub claims_per_connection: usize,
+    /// After shutdown, how long open connections may take to drain before
+    /// the loop returns anyway.
     pub shutdown_grace: Duration,
     /// HTTP/2 beside HTTP/1.1.
     pub http2: bool,

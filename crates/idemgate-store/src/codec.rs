@@ -17,7 +17,10 @@ const ENTRY_MAGIC: &[u8; 4] = b"IGF2";
 pub enum FastEntry {
     /// A claim is running; duplicates are turned away.
     InFlight {
+        /// Whose claim it marks.
         key: RecordKey,
+        /// The claiming request's fingerprint: only the same request is
+        /// told "in flight".
         fingerprint: String,
         /// The record's expiry as the marker's writer estimated it (its
         /// clock plus the retention): the marker is placed before the SQL
@@ -26,8 +29,11 @@ pub enum FastEntry {
     },
     /// The outcome, replayed without SQL.
     Completed {
+        /// Whose outcome it is.
         key: RecordKey,
+        /// The request's fingerprint: only the same request replays it.
         fingerprint: String,
+        /// The outcome itself.
         response: StoredResponse,
         /// The record's expiry, by the database's clock.
         expires_at_ms: i64,

@@ -19,10 +19,13 @@ use idemgate_core::metrics::FallbackLayer;
 /// Why a fast-layer call failed (the caller falls back to SQL).
 #[derive(Debug, thiserror::Error)]
 pub enum FastError {
+    /// The layer failed (a connection, a script, a timeout).
     #[error("fast layer error: {0}")]
     Backend(String),
+    /// What it holds under a key is not an Idemgate entry.
     #[error("fast layer value is not an idemgate entry: {0}")]
     Corrupt(String),
+    /// It holds as many bytes as it may: SQL answers.
     #[error("fast layer is full")]
     Full,
 }

@@ -1,18 +1,18 @@
 //! The idempotency store: the SQL record is the truth, a fast layer sits in
 //! front of it.
 //!
-//! - [`sql::SqlStore`]: Postgres or SQLite, same code and same schema. Every
-//!   claim is durable here before anything is forwarded (docs/semantics.md, rule 1).
+//! - [`sql::SqlStore`]: SQLite or Postgres. Every claim is durable here
+//!   before anything is forwarded (docs/semantics.md, rule 1).
 //!   Check-and-claim is one atomic statement (rule 2); every write after the
 //!   claim carries the claim's fencing epoch, so a paused or late holder can
 //!   never overwrite a newer one.
-//! - [`FastLayer`]: the accelerator — [`redis::RedisLayer`] (with this
-//!   process's copies of its completed answers in front, [`near`]) or
+//! - [`FastLayer`]: the accelerator — `redis::RedisLayer` (with this
+//!   process's copies of its completed answers in front, `near`) or
 //!   [`memory::MemoryLayer`]. It turns concurrent duplicates away and
 //!   replays finished requests without touching SQL; whatever it returns is
 //!   verified before use, and its failures only send requests down the SQL
 //!   path.
-//! - [`tiered::Store`]: the composition the gateway uses. Every operation is
+//! - [`Store`]: the composition the gateway uses. Every operation is
 //!   bounded by `store.timeout`; an unreachable SQL store is an error the
 //!   gateway answers 503 (rule 3: fail closed).
 //!
@@ -21,12 +21,32 @@
 //! released` (the attempt failed without effect). `uncertain`, `released`,
 //! lease-expired and retention-expired records can be claimed again, which
 //! bumps the epoch.
-
+//!
+//! # Layout
+//!
+//! - `record.rs`, `error.rs`: the vocabulary — [`RecordKey`], [`Record`],
+//!   [`Claim`], [`StoredResponse`], [`StoreError`] — which every other
+//!   module speaks and which depends on none of them.
+//! - `open.rs`: the assembly — [`StoreOptions`] with the `[store]`
+//!   defaults, [`open`] and [`open_for_worker`].
+//! - [`sql`]: the durable record, divided by concern (records, batched
+//!   writes, the delivery log, the purge log, sweeping, the scope
+//!   registry) over one seam for the databases (`sql/dialect.rs`, one
+//!   module per database).
+//! - [`fast`], [`memory`], `redis`, `near` (feature `redis`), [`codec`]: the fast layers
+//!   and what they store.
+//! - [`tiered`]: [`Store`], the fast layer composed with SQL, with its
+//!   batch writers ([`batch`], [`held`]).
+//! - [`settle`], [`purges`], [`sweep`], [`migrations`]: wake-ups across
+//!   instances, the purge-log follower, the sweeper, the schema.
+//!
 //! # Features
 //!
 //! `sqlite` (default; built from source), `postgres`, `redis`. At least one
 //! of the two databases. A URL for a backend the build left out is refused
 //! when the store is opened, naming the feature.
+
+#![warn(missing_docs)]
 
 #[cfg(not(any(feature = "sqlite", feature = "postgres")))]
 compile_error!("idemgate-store needs the \"sqlite\" or the \"postgres\" feature");

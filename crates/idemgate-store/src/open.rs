@@ -48,11 +48,14 @@ pub struct StoreOptions {
     pub pool_size: u32,
     /// Bound on every store operation.
     pub timeout: Duration,
+    /// How long a claim outlives a crashed holder (renewed while it runs).
     pub lease: Duration,
+    /// How long a finished request replays.
     pub retention: Duration,
     /// How long a record is kept as a fingerprint-only tombstone after its
     /// retention (zero: not at all).
     pub tombstone: Duration,
+    /// A fast-layer answer slower than this falls back to SQL.
     pub fast_layer_budget: Duration,
     /// Bytes the in-process fast layer may hold.
     pub memory_layer_bytes: usize,

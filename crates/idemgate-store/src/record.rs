@@ -50,9 +50,13 @@ pub fn key_ref(key: &str) -> String {
 /// Where a record stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordState {
+    /// A holder has the claim and works under a lease.
     InFlight,
+    /// The outcome is stored and replayed.
     Completed,
+    /// The request reached the upstream and no answer came back.
     Uncertain,
+    /// The attempt had no effect: the next request takes the key over.
     Released,
 }
 
@@ -81,9 +85,11 @@ impl RecordState {
 /// A finished request's outcome, as replayed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
+    /// The status code.
     pub status: u16,
     /// End-to-end headers, in order (no hop-by-hop, no `Set-Cookie`).
     pub headers: Vec<(String, Vec<u8>)>,
+    /// The body (empty when not kept).
     pub body: Bytes,
     /// False when the body was over `store.max_stored_body_bytes`: the
     /// outcome is recorded (never re-executed) but the body is not kept.
@@ -95,15 +101,25 @@ pub struct StoredResponse {
 /// One record as stored.
 #[derive(Debug, Clone)]
 pub struct Record {
+    /// Which record.
     pub key: RecordKey,
+    /// The claiming request's fingerprint (method, path, query, body).
     pub fingerprint: String,
+    /// Where it stands.
     pub state: RecordState,
+    /// The fencing token: grows with every takeover.
     pub epoch: i64,
+    /// Until when its claim (or an uncertain record's hold) lasts, ms.
     pub lease_until_ms: i64,
+    /// The `X-Request-Id` of the request that claimed it.
     pub request_id: String,
+    /// The stored outcome, once completed.
     pub response: Option<StoredResponse>,
+    /// When its key was first claimed (or claimed afresh), ms.
     pub created_at_ms: i64,
+    /// When it last changed, ms.
     pub updated_at_ms: i64,
+    /// When its retention ends, ms.
     pub expires_at_ms: i64,
     /// When its tombstone ends (`expires_at_ms` when tombstones are off):
     /// between the two, the key answers 410 for the same request.
@@ -120,7 +136,9 @@ pub struct Record {
 pub enum Claim {
     /// This request holds the claim under `epoch`: forward it.
     Won {
+        /// The claim's fencing epoch.
         epoch: i64,
+        /// The record's expiry.
         expires_at_ms: i64,
         /// The attempt this claim replaced may have reached the upstream
         /// (it was uncertain, or its holder's lease ran out): ask the
@@ -129,27 +147,41 @@ pub enum Claim {
     },
     /// Another request with this key is running.
     InFlight {
+        /// How long the claim may still be held.
         retry_after: Duration,
+        /// The record's expiry.
         expires_at_ms: i64,
     },
     /// The same request reached the upstream and no answer came back; a
     /// copy may still be running there for `retry_after`, and until then
     /// nothing is forwarded (docs/semantics.md, rule 8).
     Uncertain {
+        /// The uncertain attempt's epoch (a reconciled answer is fenced
+        /// by it).
         epoch: i64,
+        /// How long the hold lasts.
         retry_after: Duration,
+        /// The record's expiry.
         expires_at_ms: i64,
     },
     /// The request already finished: replay this.
     Completed {
+        /// The stored outcome.
         response: StoredResponse,
+        /// The record's expiry.
         expires_at_ms: i64,
     },
     /// The key was used for a different request.
-    Mismatch { expires_at_ms: i64 },
+    Mismatch {
+        /// The record's expiry.
+        expires_at_ms: i64,
+    },
     /// The same request, after its record's retention, within its
     /// tombstone (`store.tombstone`): 410, never executed again.
-    Expired { forgotten_at_ms: i64 },
+    Expired {
+        /// When the tombstone ends.
+        forgotten_at_ms: i64,
+    },
 }
 
 impl Claim {

@@ -100,7 +100,9 @@ pub(super) const COUNT_ARCHIVE: &str = "SELECT COUNT(*) FROM idempotency_archive
 /// Connection settings of the SQL store.
 #[derive(Debug, Clone)]
 pub struct SqlSettings {
+    /// The database URL (`sqlite:…`, `postgres://…`).
     pub url: String,
+    /// Connections in the pool.
     pub pool_size: u32,
     /// Bound on every operation, and on waiting for a pooled connection.
     pub timeout: Duration,
@@ -117,8 +119,9 @@ pub struct SqlSettings {
     pub partition_span: Duration,
 }
 
-/// The narrowest and widest span of expiries one Postgres partition holds.
+/// The narrowest span of expiries one Postgres partition holds.
 pub const MIN_PARTITION_SPAN: Duration = Duration::from_secs(1);
+/// The widest span of expiries one Postgres partition holds.
 pub const MAX_PARTITION_SPAN: Duration = Duration::from_secs(24 * 3600);
 
 /// Partitions that hold live records and tombstones, at most: every by-key

@@ -78,6 +78,9 @@ async fn sweep_from(
 /// after this long is past any retention worth keeping).
 pub const UNCERTAIN_LOG_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
 
+/// The sweeper: every `interval`, expired records are retired (or
+/// archived), tombstones stripped and the logs trimmed, and the in-process
+/// layer's expired entries dropped; it runs until aborted.
 pub fn spawn(
     sql: SqlStore,
     memory: Option<Arc<MemoryLayer>>,

@@ -70,8 +70,11 @@ const WRITE_BACK_WITHIN: Duration =
 /// Timing settings of the store (from `[store]`).
 #[derive(Debug, Clone, Copy)]
 pub struct StoreSettings {
+    /// How long a claim outlives a crashed holder.
     pub lease: Duration,
+    /// How long a finished request replays.
     pub retention: Duration,
+    /// A fast-layer answer slower than this falls back to SQL.
     pub fast_layer_budget: Duration,
 }
 

@@ -48,9 +48,12 @@ pub struct ConsumerConfig {
     /// `"dlx"` (the queue's own dead-letter exchange), NATS a subject
     /// (default `<stream>.dlq`), Redis a stream (default `<stream>.dlq`).
     pub dead_letter: Option<String>,
+    /// The name of the `[[upstreams]]` entry messages are POSTed to.
     pub upstream: String,
     /// Each message is POSTed here.
     pub path: String,
+    /// Sources of the key (`msg:message_id`, `msg:topic`, `msg:header:Name`,
+    /// `json:/pointer`); default: the message id and the topic.
     #[serde(default = "default_business_key")]
     pub business_key: Vec<String>,
     /// Fields a redelivery with the same key must repeat (same sources as

@@ -19,6 +19,8 @@ use crate::router::RouteMatcher;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
+    /// Unique; names the route in metrics and logs, and scopes its records
+    /// unless `id` is set.
     pub name: String,
     /// The identity its records (and the tokens bound to it) are kept
     /// under; default: `name`. Keep it to rename a route without losing
@@ -27,17 +29,27 @@ pub struct RouteConfig {
     /// Empty means every method.
     #[serde(default)]
     pub methods: Vec<String>,
+    /// An exact path (set this or `path_prefix`, not both).
     pub path: Option<String>,
+    /// A path prefix, starting with `/` (set this or `path`, not both).
     pub path_prefix: Option<String>,
+    /// The name of the `[[upstreams]]` entry it forwards to.
     pub upstream: String,
+    /// `sync` (the default) or `callback`.
     #[serde(default)]
     pub kind: RouteKind,
     /// Absent means `none` on sync routes; callback routes must leave it out.
     pub idempotency: Option<IdempotencyMode>,
+    /// Key routes: a missing `Idempotency-Key` is `400` (default `true`);
+    /// with `false` such a request is forwarded unprotected.
     #[serde(default = "default_require_key")]
     pub require_key: bool,
+    /// A duplicate while the first request runs: `reject` (`409`, the
+    /// default) or `wait` for the first outcome.
     #[serde(default)]
     pub on_concurrent: OnConcurrent,
+    /// Callback routes, required: sources of the key (`json:/pointer`,
+    /// `header:Name`, `query:name`); several form a composite key.
     #[serde(default)]
     pub business_key: Vec<String>,
     /// Callback routes: fields a redelivery with the same business key must
@@ -55,6 +67,7 @@ pub struct RouteConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SignatureConfig {
+    /// `standard-webhooks`, `stripe` or `hmac-sha256`.
     pub scheme: SignatureScheme,
     /// Secrets tried in turn (rotation).
     #[serde(default)]
@@ -72,8 +85,11 @@ pub struct SignatureConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RouteKind {
+    /// A client waits for the answer; `idempotency` picks its policy.
     #[default]
     Sync,
+    /// A sender's redeliveries (webhooks, pushed messages), made one by
+    /// their `business_key`; records belong to the route.
     Callback,
 }
 
@@ -81,9 +97,12 @@ pub enum RouteKind {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum IdempotencyMode {
+    /// Pass-through, streamed; nothing is recorded.
     #[default]
     None,
+    /// Protected by the client's `Idempotency-Key`.
     Key,
+    /// Protected by a one-time token from `/token`.
     Token,
 }
 

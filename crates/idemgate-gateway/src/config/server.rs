@@ -23,8 +23,11 @@ const DEFAULT_CORS_MAX_AGE: &str = "2h";
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
+    /// The public listener, `host:port` (default `127.0.0.1:8080`).
     #[serde(default = "default_listen")]
     pub listen: String,
+    /// The admin listener: the dashboard, `/healthz`, `/readyz`,
+    /// `/metrics`, `/admin/*` (default `127.0.0.1:9090`; not `listen`).
     #[serde(default = "default_admin_listen")]
     pub admin_listen: String,
     /// Larger request bodies are answered 413 and nothing is forwarded.
@@ -111,7 +114,9 @@ pub struct CorsConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerTlsConfig {
+    /// Path of the PEM certificate chain, leaf first.
     pub cert: String,
+    /// Path of the PEM private key.
     pub key: String,
 }
 

@@ -22,18 +22,30 @@ const DEFAULT_TOMBSTONE: &str = "0s";
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
+    /// The durable record: `sqlite:…`, `postgres://…` or `postgresql://…`
+    /// (a database that dies with the process is refused).
     #[serde(default = "default_database_url")]
     pub database_url: String,
+    /// The fast layer: empty for in process; `redis://…` or `rediss://…`;
+    /// `redis+cluster://host:port,…` for Redis Cluster.
     #[serde(default)]
     pub redis_url: String,
+    /// How long a record lives, counted from its claim (default 24 h).
     #[serde(default = "default_retention")]
     pub retention: HumanDuration,
+    /// How long a claim outlives a gateway that died; renewed every third
+    /// of it while the request runs (default 30 s).
     #[serde(default = "default_lease")]
     pub lease: HumanDuration,
+    /// Bound on every store operation, queueing included; past it `503
+    /// store-unavailable` (default 2 s).
     #[serde(default = "default_store_timeout")]
     pub timeout: HumanDuration,
+    /// How often expired records are swept; on Postgres it also sizes the
+    /// record table's partitions (default 1 min).
     #[serde(default = "default_sweep_interval")]
     pub sweep_interval: HumanDuration,
+    /// Keep expired records in an archive table instead of deleting them.
     #[serde(default)]
     pub archive: bool,
     /// After `retention`, how long a record is kept as a fingerprint-only

@@ -15,6 +15,7 @@ pub struct TelemetryConfig {
     /// The collector: `http://host:4317` for gRPC, the base URL
     /// (`http://host:4318`) for HTTP/protobuf.
     pub otlp_endpoint: Option<String>,
+    /// `"grpc"` (the default) or `"http/protobuf"`.
     #[serde(default)]
     pub otlp_protocol: OtlpProtocol,
     /// The `service.name` resource attribute.

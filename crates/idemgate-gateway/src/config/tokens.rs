@@ -11,6 +11,7 @@ use super::HumanDuration;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TokenConfig {
+    /// Lifetime of a token (default 10 min).
     #[serde(default = "default_token_ttl")]
     pub ttl: HumanDuration,
     /// The HMAC secret (a one-element `secrets`).

@@ -24,8 +24,13 @@ const DEFAULT_UPSTREAM_MAX_CONNECTIONS: usize = 0;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamConfig {
+    /// Unique; routes and consumers refer to it.
     pub name: String,
+    /// `http://host:port` or `https://host:port`, no path or query: request
+    /// paths are forwarded unchanged.
     pub url: String,
+    /// Bound on the whole answer, head and body; past it `504
+    /// upstream-timeout` and the record is uncertain (default 10 s).
     #[serde(default = "default_upstream_timeout")]
     pub timeout: HumanDuration,
     /// `https://` only: a PEM bundle trusted instead of the system roots.

@@ -29,19 +29,36 @@ mod workers;
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    /// A listener could not be bound (or a worker could not take it up).
     #[error("{key} = {addr:?}: cannot listen: {source}")]
     Bind {
+        /// The config key naming the address (`server.listen` or
+        /// `server.admin_listen`).
         key: &'static str,
+        /// The address as configured or resolved.
         addr: String,
+        /// Why binding failed.
         source: std::io::Error,
     },
+    /// A route's or consumer's stack could not be built (an unknown
+    /// upstream), or a worker thread failed to start.
     #[error("route {route:?}: {reason}")]
-    Route { route: String, reason: String },
+    Route {
+        /// The route's name (`consumer <name>`, or the config key at fault).
+        route: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The store could not be opened, or the record scopes not registered.
     #[error("store ({url}): {source}")]
     Store {
+        /// `store.database_url`, its password masked.
         url: String,
+        /// The store's error.
         source: idemgate_store::StoreError,
     },
+    /// The configuration was refused, or would put live records out of
+    /// reach.
     #[error("{0}")]
     Config(crate::config::ConfigError),
 }

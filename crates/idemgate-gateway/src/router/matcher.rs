@@ -6,13 +6,17 @@
 pub struct RouteMatcher {
     /// Empty means every method.
     pub methods: Vec<http::Method>,
+    /// The exact path or the prefix it takes.
     pub path: PathMatch,
 }
 
 /// The path half of a [`RouteMatcher`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PathMatch {
+    /// `path`: this path alone.
     Exact(String),
+    /// `path_prefix`: every path that starts with this string (a plain
+    /// string prefix, not per segment).
     Prefix(String),
 }
 

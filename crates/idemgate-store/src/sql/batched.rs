@@ -212,7 +212,9 @@ impl SqlStore {
 /// [`SqlStore::write_many`]).
 #[derive(Debug, Clone)]
 pub enum Write {
+    /// A fresh key's claim.
     Claim(NewClaim),
+    /// An outcome to store.
     Complete(Completion),
 }
 
@@ -221,7 +223,10 @@ pub enum Write {
 /// its epoch still held the claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Written {
+    /// The claim's epoch and expiry, where it was won.
     Claim(Option<(i64, i64)>),
+    /// The retention left and whether a duplicate waits, where the
+    /// completion's epoch still held the claim.
     Complete(Option<(Duration, bool)>),
 }
 
@@ -315,10 +320,15 @@ fn answer_claims<C: Borrow<NewClaim>>(
 /// One claim of a key, as [`SqlStore::insert_claims`] takes it.
 #[derive(Debug, Clone)]
 pub struct NewClaim {
+    /// Which record.
     pub key: RecordKey,
+    /// The request's fingerprint.
     pub fingerprint: String,
+    /// Its `X-Request-Id`.
     pub request_id: String,
+    /// The claim's first lease.
     pub lease: Duration,
+    /// The record's retention, from now.
     pub retention: Duration,
     /// Take a record past its retention over even within its tombstone
     /// (a sender's redelivery, not a client's retry).
@@ -349,8 +359,11 @@ impl PgClaimColumns {
 /// One completion waiting to be written.
 #[derive(Debug, Clone)]
 pub struct Completion {
+    /// Which record.
     pub key: RecordKey,
+    /// The claim's epoch: the write is fenced by it.
     pub epoch: i64,
+    /// The outcome to store.
     pub response: StoredResponse,
 }
 

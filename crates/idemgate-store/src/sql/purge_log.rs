@@ -57,8 +57,11 @@ impl SqlStore {
 /// One logged purge.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoggedPurge {
+    /// Its place in the log (ids only grow).
     pub id: i64,
+    /// The purged record's route identity.
     pub route: String,
+    /// The purged key.
     pub key: String,
     /// `None`: every scope.
     pub scope: Option<String>,
