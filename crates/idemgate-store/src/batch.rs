@@ -34,25 +34,25 @@ use tokio::time::Instant;
 use super::StoreError;
 
 /// Jobs written together at most.
-pub const MAX_BATCH: usize = 256;
+pub(crate) const MAX_BATCH: usize = 256;
 /// Jobs waiting per batcher at most; a submit past it waits for room
 /// (within its deadline).
-pub const QUEUE_CAPACITY: usize = 4 * MAX_BATCH;
+pub(crate) const QUEUE_CAPACITY: usize = 4 * MAX_BATCH;
 /// Batches in flight at once per batcher (each holds one pooled connection).
 /// Few writers make big batches, and Postgres spends its CPU per statement
 /// (`loadtest/README.md` has the measurements).
-pub const WRITERS: usize = 1;
+pub(crate) const WRITERS: usize = 1;
 
 type Reply<R> = oneshot::Sender<Result<R, StoreError>>;
 
 /// The longest rest a [`Lane`] takes after one batch, however long the
 /// batch took (a write slowed by a busy store must not idle the lane for
 /// seconds after it).
-pub const MAX_REST: Duration = Duration::from_millis(100);
+pub(crate) const MAX_REST: Duration = Duration::from_millis(100);
 
 /// How a batcher's writes are shaped.
 #[derive(Debug, Clone, Copy)]
-pub struct Lane {
+pub(crate) struct Lane {
     /// Jobs written together at most.
     pub max_batch: usize,
     /// After each batch written, the lane's writer rests this many times
@@ -82,7 +82,7 @@ struct Job<J, R> {
 }
 
 /// A queue of jobs `J` answered with `R`.
-pub struct Batcher<J, R> {
+pub(crate) struct Batcher<J, R> {
     queue: mpsc::Sender<Job<J, R>>,
     op: &'static str,
     timeout: Duration,
@@ -102,7 +102,7 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
     /// Starts a dispatcher; `write` runs one batch, hands the jobs back and
     /// answers each, in order. `timeout` bounds every submit; `orphaned`
     /// gets each job written after its caller stopped waiting.
-    pub fn spawn<W, F, O>(op: &'static str, timeout: Duration, write: W, orphaned: O) -> Self
+    pub(crate) fn spawn<W, F, O>(op: &'static str, timeout: Duration, write: W, orphaned: O) -> Self
     where
         W: Fn(Vec<J>) -> F + Send + Sync + 'static,
         F: Future<Output = (Vec<J>, Result<Vec<R>, StoreError>)> + Send + 'static,
@@ -112,7 +112,7 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
     }
 
     /// [`Self::spawn`], shaped by `lane`.
-    pub fn spawn_lane<W, F, O>(
+    pub(crate) fn spawn_lane<W, F, O>(
         op: &'static str,
         timeout: Duration,
         lane: Lane,
@@ -170,7 +170,7 @@ impl<J: Send + 'static, R: Send + 'static> Batcher<J, R> {
     /// Submits one job; resolves after its batch committed, or with
     /// [`StoreError::Timeout`] once `store.timeout` has passed (queueing
     /// included).
-    pub async fn submit(&self, job: J) -> Result<R, StoreError> {
+    pub(crate) async fn submit(&self, job: J) -> Result<R, StoreError> {
         let deadline = Instant::now() + self.timeout;
         let stopped = || StoreError::Unavailable {
             op: self.op,

@@ -51,13 +51,13 @@
 #[cfg(not(any(feature = "sqlite", feature = "postgres")))]
 compile_error!("idemgate-store needs the \"sqlite\" or the \"postgres\" feature");
 
-pub mod batch;
+mod batch;
 pub mod codec;
 mod error;
 pub mod fast;
-pub mod held;
+mod held;
 pub mod memory;
-pub mod migrations;
+mod migrations;
 #[cfg(feature = "redis")]
 pub mod near;
 mod open;

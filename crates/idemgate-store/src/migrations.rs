@@ -20,7 +20,7 @@ use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{Connection, SqlSafeStr};
 
 /// The table that records which of Idemgate's migrations ran.
-pub const MIGRATIONS_TABLE: &str = "_idemgate_migrations";
+pub(crate) const MIGRATIONS_TABLE: &str = "_idemgate_migrations";
 
 /// Where earlier releases recorded them (sqlx's default, shared with the
 /// application's own migrations).
