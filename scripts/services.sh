@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes sure the services the service-backed tests use are up: PostgreSQL on
-# 127.0.0.1:5432 (database `test`, user `postgres`), Redis on
+# 127.0.0.1:5432 (database `test`, user `postgres`), MariaDB on
+# 127.0.0.1:3306 (database `test`, user `root`), Redis on
 # 127.0.0.1:6379, RabbitMQ on 127.0.0.1:5672 (guest/guest), NATS with
 # JetStream on 127.0.0.1:4222, and that the faketime and nginx tools are installed. Starts each one that is installed but down. Never fails by
 # itself: a service that cannot be started makes its tests skip loudly (or
@@ -38,6 +39,20 @@ else
   echo "services: Redis NOT available on 127.0.0.1:6379"
 fi
 tcp_up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+# MariaDB on 127.0.0.1:3306 (root, no password, database `test`): the
+# MySQL store's conformance and end-to-end runs (IDEMGATE_TEST_SQL=mariadb).
+mariadb_up() { mariadb-admin -h 127.0.0.1 -P 3306 -u root ping >/dev/null 2>&1; }
+if ! mariadb_up && [ -x /etc/init.d/mariadb ]; then
+  echo "services: starting MariaDB"
+  /etc/init.d/mariadb start >/dev/null 2>&1 || true
+  for _ in $(seq 1 60); do mariadb_up && break; sleep 0.5; done
+fi
+if mariadb_up; then
+  mariadb -h 127.0.0.1 -u root -e "CREATE DATABASE IF NOT EXISTS test" >/dev/null 2>&1 || true
+  echo "services: MariaDB up"
+else
+  echo "services: MariaDB NOT available on 127.0.0.1:3306"
+fi
 if ! tcp_up 5672 && command -v rabbitmq-server >/dev/null 2>&1; then
   echo "services: starting RabbitMQ"
   setsid nohup rabbitmq-server >/tmp/rabbitmq-server.log 2>&1 < /dev/null &

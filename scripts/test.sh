@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The test command (README: "Run the tests"). Starts PostgreSQL, Redis,
-# RabbitMQ and NATS when they are installed but down, then runs every test
+# The test command (README: "Run the tests"). Starts PostgreSQL, MariaDB,
+# Redis, RabbitMQ and NATS when they are installed but down, then runs every test
 # of the workspace. Without them the embedded-store tests still run and each
-# service test prints "SKIPPED (no Postgres|Redis|RabbitMQ|NATS): <test
+# service test prints "SKIPPED (no Postgres|MariaDB|Redis|RabbitMQ|NATS): <test
 # name>"; with CI=true a missing service fails the run instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,11 @@ cargo test --workspace --all-targets "$@"
 # HTTP/2 (h2c, one connection per client): the semantics must not depend
 # on the protocol (tests/suite/support/mod.rs, HTTP2_ENV).
 IDEMGATE_TEST_HTTP2=1 cargo test --test suite "$@" -- key_routes:: token_routes:: callback_routes::
+# Every end-to-end suite that runs on Postgres once more on MariaDB (the
+# MySQL store; tests/suite/support/services.rs, shared_sql).
+IDEMGATE_TEST_SQL=mariadb cargo test --test suite "$@" -- after_answer:: claim_life:: \
+  edges:: faults:: ingress:: key_routes:: library:: operations:: redis_cluster:: \
+  reloads:: store_faults:: consumers::
 # The READMEs' quick starts (the repository's and the library crate's)
 # and every crate's documentation examples.
 exec cargo test --workspace --doc "$@"

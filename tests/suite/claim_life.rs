@@ -29,7 +29,7 @@ const ACTIONS: &str = r#"
 /// Where the records live for one test.
 enum Backend {
     Sqlite(tempfile::TempDir),
-    RedisPostgres {
+    RedisShared {
         db: String,
         redis: String,
         prefix: String,
@@ -42,15 +42,15 @@ impl Backend {
     }
 
     async fn redis_postgres(test: &str) -> Option<Backend> {
-        let db = services::postgres(test).await?;
+        let db = services::shared_sql(test).await?;
         let (redis, prefix) = services::redis(test).await?;
-        Some(Backend::RedisPostgres { db, redis, prefix })
+        Some(Backend::RedisShared { db, redis, prefix })
     }
 
     fn database_url(&self) -> String {
         match self {
             Backend::Sqlite(dir) => format!("sqlite://{}/records.db", dir.path().display()),
-            Backend::RedisPostgres { db, .. } => db.clone(),
+            Backend::RedisShared { db, .. } => db.clone(),
         }
     }
 
@@ -77,7 +77,7 @@ impl Backend {
     ) -> idemgate_gateway::gateway::RunningGateway {
         let mut c = support::config(upstream, ACTIONS);
         c.store.database_url = self.database_url();
-        if let Backend::RedisPostgres { redis, prefix, .. } = self {
+        if let Backend::RedisShared { redis, prefix, .. } = self {
             c.store.redis_url = redis.clone();
             c.store.redis_prefix = prefix.clone();
         }
@@ -102,22 +102,14 @@ impl Backend {
                     .unwrap();
                 Lock::Sqlite(conn)
             }
-            Backend::RedisPostgres { db, .. } => {
-                let mut conn = sqlx::PgConnection::connect(db).await.unwrap();
-                sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
-                sqlx::query("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
-                    .execute(&mut conn)
-                    .await
-                    .unwrap();
-                Lock::Postgres(conn)
-            }
+            Backend::RedisShared { db, .. } => Lock::Shared(services::TableLock::take(db).await),
         }
     }
 }
 
 enum Lock {
     Sqlite(sqlx::SqliteConnection),
-    Postgres(sqlx::PgConnection),
+    Shared(services::TableLock),
 }
 
 impl Lock {
@@ -126,9 +118,7 @@ impl Lock {
             Lock::Sqlite(mut c) => {
                 sqlx::query("COMMIT").execute(&mut c).await.unwrap();
             }
-            Lock::Postgres(mut c) => {
-                sqlx::query("COMMIT").execute(&mut c).await.unwrap();
-            }
+            Lock::Shared(lock) => lock.release().await,
         }
     }
 }

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use support::brokers::{PrivateNats, PrivateRabbit, Queue, RedisStream, Stream, consumer_toml};
-use support::services::{FaultProxy, Mode, postgres};
+use support::services::{self, FaultProxy, Mode, postgres, shared_sql};
 use support::{Http, Stack, dead_port, eventually, executions};
 
 /// One series of `/metrics`.
@@ -382,7 +382,7 @@ async fn two_gateways_consuming_one_queue_execute_each_message_once() {
     let Some(queue) = Queue::new("amqp_two").await else {
         return;
     };
-    let Some(db) = postgres("two_gateways_consuming_one_queue").await else {
+    let Some(db) = shared_sql("two_gateways_consuming_one_queue").await else {
         return;
     };
     let consumer = queue.consumer("pay", "/actions/two", "prefetch = 8");
@@ -434,11 +434,11 @@ async fn postgres_unreachable_nothing_is_forwarded_and_messages_are_delivered_on
     let Some(queue) = Queue::new("amqp_pgdown").await else {
         return;
     };
-    let Some(db) = postgres("postgres_unreachable_consumer").await else {
+    let Some(db) = shared_sql("postgres_unreachable_consumer").await else {
         return;
     };
-    let pg = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let via_proxy = db.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", pg.port));
+    let pg = FaultProxy::start(services::sql_addr(&db)).await;
+    let via_proxy = services::via(&db, pg.port);
     let consumer = queue.consumer("pay", "/actions/pgdown", "");
     let stack = Stack::start_with(&consumer, |c| {
         c.store.database_url = via_proxy.clone();
@@ -481,12 +481,12 @@ async fn a_session_that_ends_takes_its_waiting_deliveries_with_it() {
     let Some(queue) = Queue::new("amqp_session_end").await else {
         return;
     };
-    let Some(db) = postgres("a_session_that_ends_takes_its_waiting_deliveries_with_it").await
+    let Some(db) = shared_sql("a_session_that_ends_takes_its_waiting_deliveries_with_it").await
     else {
         return;
     };
-    let pg = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let via_proxy = db.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", pg.port));
+    let pg = FaultProxy::start(services::sql_addr(&db)).await;
+    let via_proxy = services::via(&db, pg.port);
     let broker = FaultProxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let source = format!("amqp://guest:guest@127.0.0.1:{}/%2f", broker.port);
     let consumer = consumer_toml(
@@ -747,11 +747,11 @@ async fn a_store_outage_longer_than_the_lease_does_not_forward_a_message_twice()
     let Some(queue) = Queue::new("amqp_long_outage").await else {
         return;
     };
-    let Some(db) = postgres("a_store_outage_longer_than_the_lease").await else {
+    let Some(db) = shared_sql("a_store_outage_longer_than_the_lease").await else {
         return;
     };
-    let pg = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let via_proxy = db.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", pg.port));
+    let pg = FaultProxy::start(services::sql_addr(&db)).await;
+    let via_proxy = services::via(&db, pg.port);
     let stack = Stack::start_with(&queue.consumer("pay", "/actions/outage", ""), |c| {
         c.store.database_url = via_proxy.clone();
         c.store.timeout = "300ms".into();
@@ -836,7 +836,7 @@ async fn a_failing_message_gets_max_deliveries_attempts_across_instances_and_a_r
     let Some(queue) = Queue::new("amqp_counted").await else {
         return;
     };
-    let Some(db) = postgres(test).await else {
+    let Some(db) = shared_sql(test).await else {
         return;
     };
     let consumer = queue.consumer("pay", "/actions/down", "max_deliveries = 4\nprefetch = 1");
@@ -1301,7 +1301,7 @@ async fn redis_streams_two_gateways_in_one_group_execute_each_order_once() {
     let Some(stream) = RedisStream::new("redis_two", None).await else {
         return;
     };
-    let Some(db) = postgres("redis_streams_two_gateways").await else {
+    let Some(db) = shared_sql("redis_streams_two_gateways").await else {
         return;
     };
     let consumer = stream.consumer(
@@ -1533,7 +1533,7 @@ async fn redis_streams_store_down_forwards_nothing_and_delivers_once_after() {
     let Some(stream) = RedisStream::new("redis_pgdown", None).await else {
         return;
     };
-    let Some(db) = postgres("redis_streams_store_down").await else {
+    let Some(db) = shared_sql("redis_streams_store_down").await else {
         return;
     };
     let pg_port: u16 = url::Url::parse(&db).unwrap().port().unwrap_or(5432);

@@ -114,7 +114,7 @@ async fn business_keys_are_bounded_and_free_of_control_characters_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn business_keys_are_bounded_and_free_of_control_characters_postgres() {
     let test = "business_keys_are_bounded_and_free_of_control_characters_postgres";
-    let Some(db) = services::postgres(test).await else {
+    let Some(db) = services::shared_sql(test).await else {
         return;
     };
     let stack = Stack::start_with(HOOKS, |c| c.store.database_url = db).await;

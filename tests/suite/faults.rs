@@ -30,7 +30,7 @@ const KEY_ROUTES: &str = r#"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_locked_table_is_503_within_the_timeout_and_service_recovers() {
     let test = "a_locked_table_is_503_within_the_timeout";
-    let Some(url) = services::postgres(test).await else {
+    let Some(url) = services::shared_sql(test).await else {
         return;
     };
     let stack = Stack::start_with(KEY_ROUTES, |c| {
@@ -38,13 +38,7 @@ async fn a_locked_table_is_503_within_the_timeout_and_service_recovers() {
         c.store.timeout = "500ms".into();
     })
     .await;
-    use sqlx::Connection;
-    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
-    sqlx::query("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut locker)
-        .await
-        .unwrap();
+    let locker = services::TableLock::take(&url).await;
     let started = Instant::now();
     let a = stack
         .http
@@ -67,7 +61,7 @@ async fn a_locked_table_is_503_within_the_timeout_and_service_recovers() {
         0,
         "forwarded without a claim"
     );
-    sqlx::query("ROLLBACK").execute(&mut locker).await.unwrap();
+    locker.release().await;
     let http = stack.http.clone();
     let url2 = stack.url("/actions/locked");
     let recovered = support::eventually(Duration::from_secs(10), || {
@@ -91,7 +85,7 @@ async fn a_locked_table_is_503_within_the_timeout_and_service_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_sharing_redis_and_postgres_execute_a_split_storm_once() {
     let test = "two_instances_sharing_redis_and_postgres";
-    let Some(db) = services::postgres(test).await else {
+    let Some(db) = services::shared_sql(test).await else {
         return;
     };
     let Some((redis, prefix)) = services::redis(test).await else {
@@ -141,7 +135,7 @@ async fn redis_killed_mid_storm_through_the_gateway_still_executes_once() {
     let Some(mut redis) = PrivateRedis::start(test).await else {
         return;
     };
-    let Some(db) = services::postgres(test).await else {
+    let Some(db) = services::shared_sql(test).await else {
         return;
     };
     let stack = Stack::start_with(KEY_ROUTES, |c| {
@@ -530,7 +524,7 @@ fn postgres_config(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_whose_clock_runs_ahead_cannot_take_over_a_live_claim() {
     let test = "an_instance_whose_clock_runs_ahead_cannot_take_over_a_live_claim";
-    let Some(db) = services::postgres(test).await else {
+    let Some(db) = services::shared_sql(test).await else {
         return;
     };
     if Command::new("faketime").arg("--version").output().is_err() {

@@ -41,7 +41,7 @@ impl Setup {
         upstream: &str,
         route: &str,
     ) -> Option<Setup> {
-        let db = services::postgres(test).await?;
+        let db = services::shared_sql(test).await?;
         let service = demo_upstream::start("127.0.0.1:0").await.unwrap();
         let nginx = Nginx::start(test, service.addr, nginx_timeout).await?;
         let body = format!(

@@ -308,7 +308,7 @@ async fn storm_case(store: Option<(String, String, String)>, wait: bool) {
 }
 
 async fn redis_postgres(test: &str) -> Option<(String, String, String)> {
-    let db = services::postgres(test).await?;
+    let db = services::shared_sql(test).await?;
     let (redis, prefix) = services::redis(test).await?;
     Some((db, redis, prefix))
 }
@@ -667,11 +667,11 @@ async fn oversized_request_bodies_are_413_and_leave_no_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_store_is_503_and_nothing_is_forwarded() {
     let test = "unreachable_store_is_503_and_nothing_is_forwarded";
-    let Some(url) = services::postgres(test).await else {
+    let Some(url) = services::shared_sql(test).await else {
         return;
     };
-    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let proxied = url.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    let proxy = FaultProxy::start(services::sql_addr(&url)).await;
+    let proxied = services::via(&url, proxy.port);
     let stack = Stack::start_with(&key_route(""), |c| {
         c.store.database_url = proxied;
         c.store.timeout = "500ms".into();

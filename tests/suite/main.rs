@@ -1,6 +1,6 @@
 //! The end-to-end suite: real gateway processes and in-process gateways in
-//! front of the demo upstream, against real Postgres, Redis, RabbitMQ and
-//! NATS (started by `scripts/services.sh`; a missing one is skipped loudly,
+//! front of the demo upstream, against real Postgres, MariaDB, Redis,
+//! RabbitMQ and NATS (started by `scripts/services.sh`; a missing one is skipped loudly,
 //! or fails the run with `CI=true`). One binary for the whole suite, so the
 //! workspace is linked once; `cargo test --test suite -- key_routes::`
 //! runs one file.
@@ -21,6 +21,7 @@ mod ingress;
 mod key_routes;
 mod layering;
 mod library;
+mod mysql;
 mod operations;
 mod operators;
 mod partitions;

@@ -39,14 +39,14 @@ async fn readyz_reports_sql_and_the_fast_layer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_is_503_while_postgres_is_unreachable() {
     let test = "readyz_is_503_while_postgres_is_unreachable";
-    let Some(url) = services::postgres(test).await else {
+    let Some(url) = services::shared_sql(test).await else {
         return;
     };
     let Some((redis_url, prefix)) = services::redis(test).await else {
         return;
     };
-    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let proxied = url.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    let proxy = FaultProxy::start(services::sql_addr(&url)).await;
+    let proxied = services::via(&url, proxy.port);
     let stack = Stack::start_with(PASS_THROUGH, |c| {
         c.store.database_url = proxied;
         c.store.redis_url = redis_url;

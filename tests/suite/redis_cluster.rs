@@ -105,7 +105,7 @@ async fn a_storm_on_a_three_node_redis_cluster_executes_once() {
     let Some(cluster) = start_cluster(test).await else {
         return;
     };
-    let Some(db) = services::postgres(test).await else {
+    let Some(db) = services::shared_sql(test).await else {
         return;
     };
     let url = format!(

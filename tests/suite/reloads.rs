@@ -307,7 +307,7 @@ fn scoped_config(db: &str, upstream: std::net::SocketAddr, identity: &str, pay: 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_never_moves_live_records_to_another_scope() {
     let test = "a_reload_never_moves_live_records_to_another_scope";
-    let Some(db) = support::services::postgres(test).await else {
+    let Some(db) = support::services::shared_sql(test).await else {
         return;
     };
     let upstream = demo_upstream::start("127.0.0.1:0").await.unwrap();

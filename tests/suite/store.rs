@@ -24,6 +24,8 @@ enum Backend {
     Postgres,
     RedisPostgres,
     MemorySqlite,
+    Mysql,
+    RedisMysql,
 }
 
 struct Opened {
@@ -69,6 +71,7 @@ async fn sql_store(
             )
         }
         Backend::Postgres | Backend::RedisPostgres => (services::postgres(test).await?, None),
+        Backend::Mysql | Backend::RedisMysql => (services::mariadb(test).await?, None),
     };
     let sql = SqlStore::connect(&SqlSettings {
         url,
@@ -104,11 +107,11 @@ async fn open_with_tombstone(
 ) -> Option<Opened> {
     let (sql, dir) = sql_store(backend, test, tombstone, retention).await?;
     let fast: Option<Arc<dyn FastLayer>> = match backend {
-        Backend::Sqlite | Backend::Postgres => None,
+        Backend::Sqlite | Backend::Postgres | Backend::Mysql => None,
         Backend::MemorySqlite => Some(Arc::new(MemoryLayer::new(10_000))),
         // As the gateway composes it: Redis behind this process's copies
         // of the answers it replays.
-        Backend::RedisPostgres => {
+        Backend::RedisPostgres | Backend::RedisMysql => {
             let (url, prefix) = services::redis(test).await?;
             let redis = RedisLayer::new(&url, &prefix, Duration::from_millis(200)).unwrap();
             Some(Arc::new(idemgate_store::near::NearLayer::new(
@@ -455,6 +458,46 @@ async fn completed_claims_replay_and_mismatch(backend: Backend, test: &str) {
         record.response.unwrap().body,
         Bytes::from_static(b"{\"ok\":1}")
     );
+}
+
+/// A key is its bytes: keys that a case-, accent- or space-insensitive
+/// collation would take for one (MySQL's defaults, MariaDB's PAD SPACE)
+/// are different records, each with its own answer — never another
+/// client's.
+async fn keys_that_differ_in_case_or_trailing_space_are_different_records(
+    backend: Backend,
+    test: &str,
+) {
+    let Some(o) = open(backend, test, LONG, LONG).await else {
+        return;
+    };
+    let keys = [
+        "Order-1",
+        "order-1",
+        "order-1 ",
+        "orde\u{301}r-1",
+        "ORDER-1\t",
+    ];
+    for (i, k) in keys.iter().enumerate() {
+        let k = key(k);
+        let epoch = won(o.store.claim(&k, "fp", "rid").await.unwrap());
+        let body: &'static str = Box::leak(format!("{{\"n\":{i}}}").into_boxed_str());
+        assert!(
+            o.store
+                .complete(&k, epoch, "fp", &response(body), 0)
+                .await
+                .unwrap()
+        );
+    }
+    for (i, k) in keys.iter().enumerate() {
+        let replay = completed(o.store.claim(&key(k), "fp", "again").await.unwrap());
+        assert_eq!(replay.body, format!("{{\"n\":{i}}}"), "{k:?}");
+    }
+    // The route and the client scope compare as bytes too.
+    let upper = RecordKey::new("SCOPE-A", "route", "Order-1");
+    won(o.store.claim(&upper, "fp", "rid").await.unwrap());
+    let spaced = RecordKey::new("scope-a", "route ", "Order-1");
+    won(o.store.claim(&spaced, "fp", "rid").await.unwrap());
 }
 
 async fn expired_lease_is_taken_over_and_the_old_holder_fenced(backend: Backend, test: &str) {
@@ -845,6 +888,8 @@ macro_rules! conformance {
         mod postgres { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(Backend::Postgres, concat!("postgres::", stringify!($name))).await } )* }
         mod redis_postgres { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(Backend::RedisPostgres, concat!("redis_postgres::", stringify!($name))).await } )* }
         mod memory_sqlite { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(Backend::MemorySqlite, concat!("memory_sqlite::", stringify!($name))).await } )* }
+        mod mysql { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(Backend::Mysql, concat!("mysql::", stringify!($name))).await } )* }
+        mod redis_mysql { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(Backend::RedisMysql, concat!("redis_mysql::", stringify!($name))).await } )* }
     };
 }
 
@@ -863,4 +908,5 @@ conformance!(
     every_answer_carries_the_records_expiry,
     a_tombstone_outlives_the_retention_then_is_swept,
     a_dead_letter_copy_has_one_publisher,
+    keys_that_differ_in_case_or_trailing_space_are_different_records,
 );

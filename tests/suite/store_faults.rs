@@ -18,7 +18,7 @@ const PREFIX: &str = "idemgate-test:";
 
 async fn redis_store(test: &str) -> Option<(Store, PrivateRedis, Arc<Metrics>)> {
     let redis = PrivateRedis::start(test).await?;
-    let url = services::postgres(test).await?;
+    let url = services::shared_sql(test).await?;
     let sql = SqlStore::connect(&SqlSettings {
         url,
         pool_size: 8,
@@ -193,11 +193,11 @@ async fn poisoned_redis_values_never_override_sql() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_postgres_fails_closed_within_the_timeout_and_recovers() {
     let test = "unreachable_postgres_fails_closed";
-    let Some(url) = services::postgres(test).await else {
+    let Some(url) = services::shared_sql(test).await else {
         return;
     };
-    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let proxied = url.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    let proxy = FaultProxy::start(services::sql_addr(&url)).await;
+    let proxied = services::via(&url, proxy.port);
     let store = sql_store(proxied, Duration::from_millis(500)).await;
     let key = RecordKey::new("s", "r", "down");
     for mode in [Mode::Blackhole, Mode::Refuse] {

@@ -24,6 +24,7 @@ use tokio::sync::Mutex;
 /// A pool smaller than this lends each batch a connection instead: the
 /// three writers (claims, completions, large completions) keeping one each
 /// must leave some for everything else (takeovers, reads, the sweeper).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) const MIN_POOL_TO_HOLD: u32 = 4;
 
 /// The connection one batch writer keeps, with when it was last used.

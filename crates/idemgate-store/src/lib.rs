@@ -48,8 +48,8 @@
 
 #![warn(missing_docs)]
 
-#[cfg(not(any(feature = "sqlite", feature = "postgres")))]
-compile_error!("idemgate-store needs the \"sqlite\" or the \"postgres\" feature");
+#[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+compile_error!("idemgate-store needs one of the \"sqlite\", \"postgres\" and \"mysql\" features");
 
 mod batch;
 pub mod codec;

@@ -14,16 +14,19 @@
 
 use std::borrow::Cow;
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use sqlx::Connection;
+use sqlx::SqlSafeStr;
 #[cfg(feature = "postgres")]
 use sqlx::migrate::Migrate;
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
-use sqlx::{Connection, SqlSafeStr};
 
 /// The table that records which of Idemgate's migrations ran.
 pub(crate) const MIGRATIONS_TABLE: &str = "_idemgate_migrations";
 
 /// Where earlier releases recorded them (sqlx's default, shared with the
 /// application's own migrations).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 const SHARED_TABLE: &str = "_sqlx_migrations";
 
 /// One migration file.
@@ -121,6 +124,35 @@ const SQLITE: [Source; 7] = [
     },
 ];
 
+#[cfg(feature = "mysql")]
+const MYSQL: [Source; 5] = [
+    Source {
+        version: 1,
+        description: "records",
+        sql: include_str!("../migrations/mysql/0001_records.sql"),
+    },
+    Source {
+        version: 2,
+        description: "purges",
+        sql: include_str!("../migrations/mysql/0002_purges.sql"),
+    },
+    Source {
+        version: 3,
+        description: "uncertain_log",
+        sql: include_str!("../migrations/mysql/0003_uncertain_log.sql"),
+    },
+    Source {
+        version: 4,
+        description: "deliveries",
+        sql: include_str!("../migrations/mysql/0004_deliveries.sql"),
+    },
+    Source {
+        version: 5,
+        description: "scopes",
+        sql: include_str!("../migrations/mysql/0005_scopes.sql"),
+    },
+];
+
 fn migrator(sources: &[Source]) -> Migrator {
     let migrations = sources
         .iter()
@@ -197,10 +229,71 @@ pub(crate) async fn sqlite(pool: &sqlx::SqlitePool) -> Result<(), MigrateError> 
     migrator.run(pool).await
 }
 
-/// Moves Idemgate's rows from the shared table to its own, once: only when
-/// its own table does not exist yet and the shared one does. A row moves
-/// only if both its version and its checksum are Idemgate's (an
-/// application's migration numbered 1 stays where it is).
+/// Applies the MySQL / MariaDB schema. No release ever kept these
+/// migrations in the shared table, so there is nothing to adopt.
+///
+/// The migrator's own lock is off: it waits with `GET_LOCK(…, -1)`, which
+/// MariaDB answers at once with NULL (a negative timeout is no wait there)
+/// and a Galera node refuses outright. The store takes a lock of its own
+/// where the server has one, and every statement of its migrations is
+/// idempotent (`IF NOT EXISTS`), so instances that still migrate at once
+/// (two Galera nodes) at worst meet the other's bookkeeping row — a
+/// duplicate version, or one still marked unfinished — and run again once
+/// the other is done.
+#[cfg(feature = "mysql")]
+pub(crate) async fn mysql(
+    conn: &mut sqlx::MySqlConnection,
+    until: Option<i64>,
+) -> Result<(), MigrateError> {
+    use sqlx::Row;
+    let last = MYSQL
+        .iter()
+        .take_while(|s| until.is_none_or(|v| s.version <= v))
+        .count();
+    let mut migrator = migrator(&MYSQL[..last]);
+    migrator.set_locking(false);
+    // 1: taken; NULL or an error (Galera): no lock to take.
+    let locked = sqlx::query("SELECT GET_LOCK(CONCAT('idemgate_migrations.', DATABASE()), 60)")
+        .fetch_one(&mut *conn)
+        .await
+        .ok()
+        .and_then(|row| row.try_get::<Option<i64>, _>(0).ok().flatten())
+        == Some(1);
+    let mut tries = 0;
+    let result = loop {
+        match migrator.run(&mut *conn).await {
+            Err(e) if tries < MYSQL_RACED_TRIES && raced(&e) => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            done => break done,
+        }
+    };
+    if locked {
+        let _ = sqlx::query("SELECT RELEASE_LOCK(CONCAT('idemgate_migrations.', DATABASE()))")
+            .execute(&mut *conn)
+            .await;
+    }
+    result
+}
+
+/// How many times a migration that met another instance's is run again
+/// (half a second apart).
+#[cfg(feature = "mysql")]
+const MYSQL_RACED_TRIES: u32 = 40;
+
+/// Whether a MySQL migration failed on another instance's bookkeeping: a
+/// version it recorded first (1062), or one it has not finished.
+#[cfg(feature = "mysql")]
+fn raced(e: &MigrateError) -> bool {
+    match e {
+        MigrateError::Dirty(_) => true,
+        MigrateError::Execute(sqlx::Error::Database(db)) => db.code().as_deref() == Some("23000"),
+        _ => false,
+    }
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 async fn adopt<'c, DB>(
     conn: &'c mut sqlx::pool::PoolConnection<DB>,
     migrator: &Migrator,

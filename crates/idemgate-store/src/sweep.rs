@@ -37,11 +37,7 @@ async fn sweep_from(
     archive: bool,
     watermark: &mut Option<i64>,
 ) -> Result<u64, StoreError> {
-    let (mut total, by_rows) = match sql.backend() {
-        #[cfg(feature = "postgres")]
-        "postgres" => sql.sweep_partitions(archive).await?,
-        _ => (0, vec!["idempotency_records".to_owned()]),
-    };
+    let (mut total, by_rows) = sql.retire(archive).await?;
     for table in &by_rows {
         loop {
             let moved = sql.sweep_batch(archive, table).await?;

@@ -13,7 +13,7 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let idempotency = idemgate::Idempotency::builder()
-//!     .in_memory_for_tests() // in production: .database_url("sqlite://PATH" or "postgres://…")
+//!     .in_memory_for_tests() // in production: .database_url("sqlite://PATH", "postgres://…" or "mysql://…")
 //!     .build()
 //!     .await?;
 //! let app = Router::new()
@@ -103,7 +103,7 @@ pub struct Builder {
 }
 
 impl Builder {
-    /// `sqlite://PATH` or `postgres://…` (default:
+    /// `sqlite://PATH`, `postgres://…` or `mysql://…` (default:
     /// `sqlite://data/idemgate.db`). Each needs its cargo feature (`sqlite`,
     /// the default, or `postgres`). A database that dies with the process
     /// (`sqlite::memory:`, `mode=memory`) is refused by [`Self::build`]: its

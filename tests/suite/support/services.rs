@@ -1,5 +1,5 @@
-//! Real services for tests: the shared Postgres and Redis (each test in its
-//! own schema / key prefix), private Redis instances on free ports for
+//! Real services for tests: the shared Postgres, MariaDB and Redis (each
+//! test in its own schema, database or key prefix), private Redis instances on free ports for
 //! fault tests, and a TCP fault proxy.
 //!
 //! A missing service skips the test loudly, by name — or fails it when
@@ -13,6 +13,7 @@ use tokio::io::AsyncWriteExt;
 
 pub const POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
+pub const MARIADB_URL: &str = "mysql://root@127.0.0.1:3306/test";
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
@@ -53,6 +54,108 @@ pub async fn postgres(test: &str) -> Option<String> {
         Err(_) => {
             missing("Postgres", test, "connect timed out");
             None
+        }
+    }
+}
+
+/// A fresh database in the shared MariaDB (or MySQL); the URL points into
+/// it.
+pub async fn mariadb(test: &str) -> Option<String> {
+    let base = std::env::var("IDEMGATE_TEST_MYSQL_URL").unwrap_or_else(|_| MARIADB_URL.into());
+    let database = format!("t_{}", uuid::Uuid::now_v7().simple());
+    let connect = async {
+        use sqlx::Connection;
+        let mut conn = sqlx::MySqlConnection::connect(&base).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&mut conn)
+            .await?;
+        conn.close().await
+    };
+    match tokio::time::timeout(Duration::from_secs(5), connect).await {
+        Ok(Ok(())) => {
+            let (server, _) = base.rsplit_once('/').expect("a database in the URL");
+            Some(format!("{server}/{database}"))
+        }
+        Ok(Err(e)) => {
+            missing("MariaDB", test, &e.to_string());
+            None
+        }
+        Err(_) => {
+            missing("MariaDB", test, "connect timed out");
+            None
+        }
+    }
+}
+
+/// Whether the end-to-end suites run on MariaDB (`IDEMGATE_TEST_SQL=mariadb`)
+/// instead of Postgres: `scripts/test.sh` runs them both ways.
+pub fn on_mariadb() -> bool {
+    std::env::var("IDEMGATE_TEST_SQL").is_ok_and(|v| v == "mariadb" || v == "mysql")
+}
+
+/// A fresh schema (Postgres) or database (MariaDB, with
+/// `IDEMGATE_TEST_SQL=mariadb`) in the shared server the end-to-end suites
+/// run on.
+pub async fn shared_sql(test: &str) -> Option<String> {
+    if on_mariadb() {
+        mariadb(test).await
+    } else {
+        postgres(test).await
+    }
+}
+
+/// The `host:port` a database URL names.
+pub fn sql_addr(url: &str) -> std::net::SocketAddr {
+    let parsed = url::Url::parse(url).expect("a database URL");
+    let port = parsed
+        .port()
+        .unwrap_or(if url.starts_with("mysql") { 3306 } else { 5432 });
+    format!("{}:{port}", parsed.host_str().expect("a host"))
+        .parse()
+        .expect("an IP address")
+}
+
+/// `url` pointed at a proxy on 127.0.0.1's `port` instead.
+pub fn via(url: &str, port: u16) -> String {
+    url.replace(&sql_addr(url).to_string(), &format!("127.0.0.1:{port}"))
+}
+
+/// The record table held locked (every claim blocks) by a connection of
+/// its own, until [`TableLock::release`].
+pub enum TableLock {
+    Postgres(sqlx::PgConnection),
+    Mysql(sqlx::MySqlConnection),
+}
+
+impl TableLock {
+    pub async fn take(url: &str) -> TableLock {
+        use sqlx::Connection;
+        if url.starts_with("mysql") {
+            let mut conn = sqlx::MySqlConnection::connect(url).await.unwrap();
+            sqlx::query("LOCK TABLES idempotency_records WRITE")
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            TableLock::Mysql(conn)
+        } else {
+            let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+            sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+            sqlx::query("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            TableLock::Postgres(conn)
+        }
+    }
+
+    pub async fn release(self) {
+        match self {
+            TableLock::Postgres(mut c) => {
+                sqlx::query("ROLLBACK").execute(&mut c).await.unwrap();
+            }
+            TableLock::Mysql(mut c) => {
+                sqlx::query("UNLOCK TABLES").execute(&mut c).await.unwrap();
+            }
         }
     }
 }

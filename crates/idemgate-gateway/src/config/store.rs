@@ -22,8 +22,9 @@ const DEFAULT_TOMBSTONE: &str = "0s";
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
-    /// The durable record: `sqlite:…`, `postgres://…` or `postgresql://…`
-    /// (a database that dies with the process is refused).
+    /// The durable record: `sqlite:…`, `postgres://…` (`postgresql://…`)
+    /// or `mysql://…` (`mariadb://…`); a database that dies with the
+    /// process is refused.
     #[serde(default = "default_database_url")]
     pub database_url: String,
     /// The fast layer: empty for in process; `redis://…` or `rediss://…`;
@@ -186,13 +187,13 @@ impl StoreConfig {
                 idemgate_store::in_memory_refusal("store.database_url", db),
             );
         }
-        if !(db.starts_with("sqlite:")
-            || db.starts_with("postgres://")
-            || db.starts_with("postgresql://"))
-        {
+        if idemgate_store::sql::Dialect::of(db).is_none() {
             add(
                 "store.database_url".into(),
-                format!("{db:?} must start with sqlite:, postgres:// or postgresql://"),
+                format!(
+                    "{db:?} must start with sqlite:, postgres://, postgresql://, mysql:// or \
+                     mariadb://"
+                ),
             );
         }
         let redis = &self.redis_url;

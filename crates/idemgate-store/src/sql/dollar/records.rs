@@ -7,67 +7,20 @@ use std::time::Duration;
 
 use sqlx::Row;
 
-use super::batched::NewClaim;
 #[cfg(feature = "postgres")]
 use super::partitions;
-use super::rows::{RawRecord, answer_for};
-use super::{Pool, SqlStore, left};
+use super::{DollarSql, Pool};
 use crate::codec::encode_headers;
-use crate::held::HeldConnection;
 use crate::record::millis;
+use crate::sql::rows::{RawRecord, answer_for};
+use crate::sql::{NewClaim, Purged, left};
 use crate::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse};
-impl SqlStore {
-    /// Claims `key` for a request with `fingerprint` (see the module docs),
-    /// on a connection of its own, for tools and tests: the gateway claims
-    /// through [`crate::Store`], whose batch writer releases a claim that
-    /// committed after its caller stopped waiting. (On SQLite a `COMMIT`,
-    /// once sent, is waited for: see `sql/batched.rs`.)
-    pub async fn claim(
-        &self,
-        key: &RecordKey,
-        fingerprint: &str,
-        request_id: &str,
-        lease: Duration,
-        retention: Duration,
-    ) -> Result<Claim, StoreError> {
-        let job = NewClaim {
-            key: key.clone(),
-            fingerprint: fingerprint.to_owned(),
-            request_id: request_id.to_owned(),
-            lease,
-            retention,
-            past_tombstone: false,
-        };
-        // A record deleted (purged, swept) between our statements makes the
-        // read find nothing; the loop then simply claims again.
-        // Not a batch writer: a connection of its own, returned at the end.
-        let unbatched = HeldConnection::default();
-        for _ in 0..3 {
-            if let Some((epoch, expires_at_ms)) = self
-                .insert_claims(std::slice::from_ref(&job), &unbatched)
-                .await?[0]
-            {
-                return Ok(Claim::Won {
-                    epoch,
-                    expires_at_ms,
-                    maybe_ran: false,
-                });
-            }
-            if let Some((claim, _)) = self.claim_existing(&job).await? {
-                return Ok(claim);
-            }
-        }
-        Err(StoreError::Unavailable {
-            op: "claim",
-            cause: "the record kept disappearing between statements".into(),
-        })
-    }
-
+impl DollarSql {
     /// The existing-key half of a claim: take the record over if it may be
     /// taken, else read it to answer, with the record's retention left (a
     /// fast layer caching the answer must not outlive the record). `None`
     /// when the row vanished.
-    pub async fn claim_existing(
+    pub(crate) async fn claim_existing(
         &self,
         c: &NewClaim,
     ) -> Result<Option<(Claim, Duration)>, StoreError> {
@@ -119,7 +72,7 @@ impl SqlStore {
     }
 
     /// Reads one record.
-    pub async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+    pub(crate) async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let statement = self.sql().select_one.as_str();
         let row = self
             .bounded("get", async {
@@ -138,7 +91,7 @@ impl SqlStore {
     }
 
     /// Every record of `route` and `key`, whatever the client scope.
-    pub async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
+    pub(crate) async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
         let statement = self.sql().select_by_route_key.as_str();
         let rows = self
             .bounded("find", async {
@@ -157,7 +110,7 @@ impl SqlStore {
 
     /// The records still `uncertain` among the `limit` most recently marked,
     /// newest first: what an operator may have to look at.
-    pub async fn uncertain(&self, limit: i64) -> Result<Vec<Record>, StoreError> {
+    pub(crate) async fn uncertain(&self, limit: i64) -> Result<Vec<Record>, StoreError> {
         let statement = self.sql().select_uncertain.as_str();
         let rows = self
             .bounded("uncertain", async {
@@ -175,7 +128,7 @@ impl SqlStore {
     /// Stores the outcome; the retention left (by the database's clock) and
     /// whether a duplicate waits for it, or `None` when `epoch` no longer
     /// holds the claim.
-    pub async fn complete(
+    pub(crate) async fn complete(
         &self,
         key: &RecordKey,
         epoch: i64,
@@ -193,7 +146,7 @@ impl SqlStore {
 
     /// Stores the answer reconciliation got for an `uncertain` record (the
     /// upstream says the action ran), fenced by that record's epoch.
-    pub async fn complete_reconciled(
+    pub(crate) async fn complete_reconciled(
         &self,
         key: &RecordKey,
         epoch: i64,
@@ -230,7 +183,11 @@ impl SqlStore {
 
     /// Gives the claim up (nothing happened upstream): whether a duplicate
     /// waits for it, or `None` when `epoch` no longer holds it.
-    pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<Option<bool>, StoreError> {
+    pub(crate) async fn release(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+    ) -> Result<Option<bool>, StoreError> {
         self.set_state(key, epoch, RecordState::Released, Duration::ZERO, "release")
             .await
     }
@@ -238,7 +195,7 @@ impl SqlStore {
     /// Records that the outcome is unknown: nothing is forwarded for `hold`
     /// (a copy may still be running at the upstream), then the next retry
     /// may take over.
-    pub async fn mark_uncertain(
+    pub(crate) async fn mark_uncertain(
         &self,
         key: &RecordKey,
         epoch: i64,
@@ -272,7 +229,7 @@ impl SqlStore {
 
     /// Says a duplicate waits for `key` while it is in flight; false when
     /// it is not in flight (any more): claim again at once.
-    pub async fn mark_watched(&self, key: &RecordKey) -> Result<bool, StoreError> {
+    pub(crate) async fn mark_watched(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let statement = self.sql().mark_watched.as_str();
         self.bounded("watch", async {
             with_pool!(self, pool => {
@@ -286,7 +243,7 @@ impl SqlStore {
 
     /// Extends a running claim's lease to `lease` from now (the database's
     /// now); false when it was taken over.
-    pub async fn renew(
+    pub(crate) async fn renew(
         &self,
         key: &RecordKey,
         epoch: i64,
@@ -306,7 +263,7 @@ impl SqlStore {
 
     /// Tells every instance listening on Postgres that the record with
     /// this hash settled (see [`super::settle`]); nothing on SQLite.
-    pub async fn announce(&self, token: &str) -> Result<(), StoreError> {
+    pub(crate) async fn announce(&self, token: &str) -> Result<(), StoreError> {
         match &self.pool {
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) => {
@@ -331,7 +288,7 @@ impl SqlStore {
     /// Deletes one record, or with `scope = None` the key in every scope —
     /// except a record held under a live lease, which is never purged (a
     /// purge must not let a second request run beside the first).
-    pub async fn purge(
+    pub(crate) async fn purge(
         &self,
         route: &str,
         key: &str,
@@ -374,7 +331,7 @@ impl SqlStore {
     }
 
     /// Rows in the record table (operators, tests).
-    pub async fn records(&self) -> Result<i64, StoreError> {
+    pub(crate) async fn records(&self) -> Result<i64, StoreError> {
         self.bounded("records", async {
             with_pool!(self, pool => {
                 sqlx::query("SELECT COUNT(*) FROM idempotency_records").fetch_one(pool).await?.try_get::<i64, _>(0)
@@ -382,13 +339,4 @@ impl SqlStore {
         })
         .await
     }
-}
-
-/// What a purge did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Purged {
-    /// Records deleted.
-    pub removed: u64,
-    /// Records left because they are held under a live lease.
-    pub held: u64,
 }

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use sqlx::postgres::PgPool;
 
-use super::{SqlSettings, SqlStore, check_schema};
+use super::DollarSql;
 use crate::StoreError;
 use crate::held::HeldConnection;
+use crate::sql::{SqlSettings, check_schema};
 
 /// How long Postgres may work on one statement. With the wait for a pooled
 /// connection ([`acquire_bound`]) it stays under `store.timeout`, so that the database gives up (and rolls back) before
@@ -34,7 +35,7 @@ fn acquire_bound(timeout: Duration) -> Duration {
 /// (one that died meanwhile is replaced instead of failing a batch).
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 
-impl SqlStore {
+impl DollarSql {
     /// Runs one batch statement on Postgres: on the batch writer's kept
     /// connection when the pool has room to keep one, else on a pooled one.
     pub(super) async fn on_batch_connection<T>(

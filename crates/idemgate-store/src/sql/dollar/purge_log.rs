@@ -5,13 +5,14 @@ use std::time::Duration;
 
 use sqlx::Row;
 
-use super::{Pool, SqlStore};
+use super::{DollarSql, Pool};
 use crate::StoreError;
 use crate::record::millis;
-impl SqlStore {
+use crate::sql::LoggedPurge;
+impl DollarSql {
     /// Purges logged after `last` (oldest first, at most 1,000), for the
     /// in-process fast layers to forget.
-    pub async fn purges_since(&self, last: i64) -> Result<Vec<LoggedPurge>, StoreError> {
+    pub(crate) async fn purges_since(&self, last: i64) -> Result<Vec<LoggedPurge>, StoreError> {
         let statement = self.sql().purges_since.as_str();
         self.bounded("purges", async {
             with_pool!(self, pool => {
@@ -32,7 +33,7 @@ impl SqlStore {
     }
 
     /// The newest logged purge's id.
-    pub async fn last_purge(&self) -> Result<i64, StoreError> {
+    pub(crate) async fn last_purge(&self) -> Result<i64, StoreError> {
         let statement = self.sql().last_purge.as_str();
         self.bounded("purges", async {
             with_pool!(self, pool => {
@@ -43,7 +44,7 @@ impl SqlStore {
     }
 
     /// Forgets logged purges older than `age`.
-    pub async fn trim_purges(&self, age: Duration) -> Result<u64, StoreError> {
+    pub(crate) async fn trim_purges(&self, age: Duration) -> Result<u64, StoreError> {
         let statement = self.sql().trim_purges.as_str();
         self.bounded("purges", async {
             with_pool!(self, pool => {
@@ -52,17 +53,4 @@ impl SqlStore {
         })
         .await
     }
-}
-
-/// One logged purge.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoggedPurge {
-    /// Its place in the log (ids only grow).
-    pub id: i64,
-    /// The purged record's route identity.
-    pub route: String,
-    /// The purged key.
-    pub key: String,
-    /// `None`: every scope.
-    pub scope: Option<String>,
 }

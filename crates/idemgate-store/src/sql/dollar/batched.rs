@@ -7,13 +7,16 @@ use std::time::Duration;
 
 use sqlx::Row;
 
-use super::super::codec::encode_headers;
-use super::super::held::HeldConnection;
-use super::super::{RecordKey, StoreError, StoredResponse};
 #[cfg(feature = "sqlite")]
 use super::statements::{SQLITE_ROWS, sqlite_claim_rows, sqlite_complete_rows};
-use super::{Pool, SqlStore, left};
+use super::{DollarSql, Pool};
+use crate::codec::encode_headers;
+use crate::held::HeldConnection;
 use crate::record::millis;
+use crate::sql::{Completion, NewClaim, left};
+#[cfg(feature = "sqlite")]
+use crate::sql::{Write, Written};
+use crate::{RecordKey, StoreError};
 
 /// The single-claim statement (`claim_insert`) with one claim's
 /// parameters bound (Postgres; SQLite writes even one claim as a batch).
@@ -31,7 +34,7 @@ macro_rules! bind_claim {
     };
 }
 
-impl SqlStore {
+impl DollarSql {
     /// The fresh-key half of a claim, for many keys at once: one statement
     /// (Postgres: `idempotency_claim` over arrays) or one SQLite
     /// transaction of multi-row `INSERT … ON CONFLICT DO NOTHING` (one
@@ -208,30 +211,8 @@ impl SqlStore {
     }
 }
 
-/// One write of a lane that claims and completes together (see
-/// [`SqlStore::write_many`]).
-#[derive(Debug, Clone)]
-pub enum Write {
-    /// A fresh key's claim.
-    Claim(NewClaim),
-    /// An outcome to store.
-    Complete(Completion),
-}
-
-/// A [`Write`]'s answer: the claim's epoch and expiry where it was won;
-/// the completion's retention left and whether a duplicate waits, where
-/// its epoch still held the claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Written {
-    /// The claim's epoch and expiry, where it was won.
-    Claim(Option<(i64, i64)>),
-    /// The retention left and whether a duplicate waits, where the
-    /// completion's epoch still held the claim.
-    Complete(Option<(Duration, bool)>),
-}
-
 #[cfg(feature = "sqlite")]
-impl SqlStore {
+impl DollarSql {
     /// Claims and completions of one batch, on SQLite, whose writes go
     /// through its one connection in turn: all of them in one transaction,
     /// one `BEGIN IMMEDIATE`, one commit, one fsync where separate claim and
@@ -317,24 +298,6 @@ fn answer_claims<C: Borrow<NewClaim>>(
         .collect()
 }
 
-/// One claim of a key, as [`SqlStore::insert_claims`] takes it.
-#[derive(Debug, Clone)]
-pub struct NewClaim {
-    /// Which record.
-    pub key: RecordKey,
-    /// The request's fingerprint.
-    pub fingerprint: String,
-    /// Its `X-Request-Id`.
-    pub request_id: String,
-    /// The claim's first lease.
-    pub lease: Duration,
-    /// The record's retention, from now.
-    pub retention: Duration,
-    /// Take a record past its retention over even within its tombstone
-    /// (a sender's redelivery, not a client's retry).
-    pub past_tombstone: bool,
-}
-
 #[derive(Default)]
 #[cfg(feature = "postgres")]
 struct PgClaimColumns {
@@ -354,17 +317,6 @@ impl PgClaimColumns {
         self.fingerprint.push(c.fingerprint.clone());
         self.request_id.push(c.request_id.clone());
     }
-}
-
-/// One completion waiting to be written.
-#[derive(Debug, Clone)]
-pub struct Completion {
-    /// Which record.
-    pub key: RecordKey,
-    /// The claim's epoch: the write is fenced by it.
-    pub epoch: i64,
-    /// The outcome to store.
-    pub response: StoredResponse,
 }
 
 /// A batch as Postgres arrays, one per column.
@@ -463,7 +415,7 @@ impl Keyed for &NewClaim {
 struct Encoded<'a> {
     key: &'a RecordKey,
     epoch: i64,
-    response: &'a StoredResponse,
+    response: &'a crate::StoredResponse,
     headers: Vec<u8>,
 }
 
@@ -478,7 +430,7 @@ impl Keyed for Encoded<'_> {
 type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
 
 #[cfg(feature = "sqlite")]
-impl SqlStore {
+impl DollarSql {
     /// Releases the claims of a transaction whose `COMMIT` was given up on:
     /// their callers are told the store is unavailable and forward nothing,
     /// and the commit may still land. Each release is fenced by its epoch,
@@ -632,6 +584,7 @@ fn encoded<'a>(batch: impl Iterator<Item = &'a Completion>) -> Vec<Encoded<'a>> 
 #[cfg(all(test, feature = "sqlite"))]
 mod tests {
     use super::*;
+    use crate::StoredResponse;
     use crate::sql::sqlite_in_memory as store;
 
     fn claim(key: &str) -> NewClaim {

@@ -16,9 +16,7 @@
 
 use std::sync::LazyLock;
 
-/// Rows moved per sweep statement: small enough that a sweep never holds
-/// locks for long, large enough to keep up.
-pub const SWEEP_BATCH: i64 = 500;
+use crate::sql::SWEEP_BATCH;
 
 /// The statements of one database.
 pub(super) struct Statements {

@@ -9,15 +9,35 @@ use sqlx::Connection;
 
 #[cfg(feature = "sqlite")]
 use super::COUNT_ARCHIVE;
-use super::SWEEP_BATCH;
-use super::{Pool, SqlStore};
+use super::{DollarSql, Pool};
 use crate::StoreError;
 use crate::record::millis;
-impl SqlStore {
+use crate::sql::SWEEP_BATCH;
+impl DollarSql {
+    /// Postgres retires whole partitions first (see
+    /// [`Self::sweep_partitions`]); SQLite has one table to sweep by rows.
+    pub(crate) async fn retire(&self, archive: bool) -> Result<(u64, Vec<String>), StoreError> {
+        match &self.pool {
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(_) => self.sweep_partitions(archive).await,
+            #[cfg(feature = "sqlite")]
+            Pool::Sqlite(_) => {
+                let _ = archive;
+                Ok((0, vec!["idempotency_records".to_owned()]))
+            }
+        }
+    }
+
+    /// Nothing to make without Postgres's partitions.
+    #[cfg(not(feature = "postgres"))]
+    pub(crate) async fn extend_partitions(&self) -> Result<u32, StoreError> {
+        Ok(0)
+    }
+
     /// Removes (or archives) one batch of expired records; returns how
     /// many. On Postgres, of one partition: `table` (see
     /// [`Self::sweep_partitions`]); SQLite has the one table.
-    pub async fn sweep_batch(&self, archive: bool, table: &str) -> Result<u64, StoreError> {
+    pub(crate) async fn sweep_batch(&self, archive: bool, table: &str) -> Result<u64, StoreError> {
         let statements = self.sql();
         let tombstone = millis(self.tombstone);
         #[cfg(not(feature = "postgres"))]
@@ -75,7 +95,7 @@ impl SqlStore {
     /// With tombstones on: drops the stored answers of records whose
     /// retention ended at or after `after` (ms), one batch; returns how
     /// many and the watermark to pass next time (see [`super::sweep`]).
-    pub async fn strip_batch(&self, after: i64) -> Result<(u64, i64), StoreError> {
+    pub(crate) async fn strip_batch(&self, after: i64) -> Result<(u64, i64), StoreError> {
         let statements = self.sql();
         self.bounded("sweep", async {
             with_pool!(self, pool => {
@@ -108,7 +128,7 @@ impl SqlStore {
     }
 
     /// Forgets uncertain-log entries older than `before_ms`.
-    pub async fn trim_uncertain_log(&self, before_ms: i64) -> Result<u64, StoreError> {
+    pub(crate) async fn trim_uncertain_log(&self, before_ms: i64) -> Result<u64, StoreError> {
         let statement = self.sql().trim_uncertain_log.as_str();
         self.bounded("trim", async {
             with_pool!(self, pool => sqlx::query(statement).bind(before_ms).execute(pool).await.map(|r| r.rows_affected()))
@@ -118,7 +138,7 @@ impl SqlStore {
 
     /// Rows archived (operators, tests): on Postgres, in the archive
     /// table and in the partitions retired with `store.archive`.
-    pub async fn archived(&self) -> Result<i64, StoreError> {
+    pub(crate) async fn archived(&self) -> Result<i64, StoreError> {
         self.bounded("archived", async {
             match &self.pool {
                 #[cfg(feature = "postgres")]

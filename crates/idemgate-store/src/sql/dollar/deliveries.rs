@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use sqlx::Row;
 
-use super::{Pool, SqlStore};
+use super::{DollarSql, Pool};
 use crate::StoreError;
 use crate::record::millis;
-impl SqlStore {
+use crate::sql::DeadLetterClaim;
+impl DollarSql {
     /// A consumed message's failed upstream attempts and whether its
     /// dead-letter copy is stored (`0`, `false` when it never failed).
-    pub async fn delivery(&self, route: &str, key: &str) -> Result<(u32, bool), StoreError> {
+    pub(crate) async fn delivery(&self, route: &str, key: &str) -> Result<(u32, bool), StoreError> {
         let statement = self.sql().select_delivery.as_str();
         let row: Option<(i64, bool)> = self
             .bounded("delivery", async {
@@ -29,7 +30,7 @@ impl SqlStore {
     /// Counts a failed upstream attempt of a consumed message, for every
     /// instance; `first`: the broker delivered it fresh (a new publish),
     /// so the count starts over. The failures so far.
-    pub async fn count_delivery_failure(
+    pub(crate) async fn count_delivery_failure(
         &self,
         route: &str,
         key: &str,
@@ -46,7 +47,11 @@ impl SqlStore {
     }
 
     /// Says a consumed message's dead-letter copy is stored.
-    pub async fn mark_dead_lettered(&self, route: &str, key: &str) -> Result<(), StoreError> {
+    pub(crate) async fn mark_dead_lettered(
+        &self,
+        route: &str,
+        key: &str,
+    ) -> Result<(), StoreError> {
         let statement = self.sql().mark_dead_lettered.as_str();
         self.bounded("delivery", async {
             with_pool!(self, pool => sqlx::query(statement).bind(route).bind(key).execute(pool).await.map(|_| ()))
@@ -61,7 +66,7 @@ impl SqlStore {
     /// made again after a holder died carries its predecessor's id.
     /// `holder` (fresh for every claim) names this holder for renewing and
     /// releasing, which a successor under the same copy id does not share.
-    pub async fn claim_dead_letter(
+    pub(crate) async fn claim_dead_letter(
         &self,
         route: &str,
         key: &str,
@@ -89,7 +94,7 @@ impl SqlStore {
 
     /// Extends `holder`'s copy lease by `lease` from now, while its broker
     /// has not confirmed the copy; whether it still held it.
-    pub async fn renew_dead_letter(
+    pub(crate) async fn renew_dead_letter(
         &self,
         route: &str,
         key: &str,
@@ -109,7 +114,7 @@ impl SqlStore {
     /// [`Self::claim_dead_letter`], when the copy was refused: the next try
     /// need not wait for it to lapse. A lease that passed to another holder
     /// is left alone.
-    pub async fn release_dead_letter(
+    pub(crate) async fn release_dead_letter(
         &self,
         route: &str,
         key: &str,
@@ -123,105 +128,11 @@ impl SqlStore {
     }
 
     /// Forgets delivery rows untouched since `before_ms`.
-    pub async fn trim_deliveries(&self, before_ms: i64) -> Result<u64, StoreError> {
+    pub(crate) async fn trim_deliveries(&self, before_ms: i64) -> Result<u64, StoreError> {
         let statement = self.sql().trim_deliveries.as_str();
         self.bounded("trim", async {
             with_pool!(self, pool => sqlx::query(statement).bind(before_ms).execute(pool).await.map(|r| r.rows_affected()))
         })
         .await
-    }
-}
-
-/// Who publishes a consumed message's dead-letter copy
-/// ([`SqlStore::claim_dead_letter`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DeadLetterClaim {
-    /// This caller, under this copy id.
-    Won(String),
-    /// Nobody: the copy is stored.
-    Copied,
-    /// Another instance, under a live lease.
-    Busy,
-}
-
-/// One consumer's delivery log: its messages' failed attempts and the
-/// leases on their dead-letter copies, kept under the consumer's record
-/// identity. The handle the MQ link holds, so that it reaches nothing of
-/// the store but what it owns.
-#[derive(Clone)]
-pub struct DeliveryLog {
-    sql: SqlStore,
-    consumer: std::sync::Arc<str>,
-}
-
-impl DeliveryLog {
-    /// The log of the consumer whose records are kept under `consumer`.
-    pub fn new(sql: SqlStore, consumer: &str) -> DeliveryLog {
-        DeliveryLog {
-            sql,
-            consumer: consumer.into(),
-        }
-    }
-
-    /// A message's failed attempts and whether its dead-letter copy is
-    /// stored (see [`SqlStore::delivery`]).
-    pub async fn delivery(&self, key: &str) -> Result<(u32, bool), StoreError> {
-        self.sql.delivery(&self.consumer, key).await
-    }
-
-    /// Counts a failed attempt (see [`SqlStore::count_delivery_failure`]).
-    pub async fn count_failure(&self, key: &str, first: bool) -> Result<u32, StoreError> {
-        self.sql
-            .count_delivery_failure(&self.consumer, key, first)
-            .await
-    }
-
-    /// Says the message's dead-letter copy is stored.
-    pub async fn mark_dead_lettered(&self, key: &str) -> Result<(), StoreError> {
-        self.sql.mark_dead_lettered(&self.consumer, key).await
-    }
-
-    /// Takes the lease to publish the message's dead-letter copy (see
-    /// [`SqlStore::claim_dead_letter`]).
-    pub async fn claim_dead_letter(
-        &self,
-        key: &str,
-        holder: &str,
-        lease: Duration,
-    ) -> Result<DeadLetterClaim, StoreError> {
-        self.sql
-            .claim_dead_letter(&self.consumer, key, holder, lease)
-            .await
-    }
-
-    /// Extends `holder`'s copy lease (see [`SqlStore::renew_dead_letter`]).
-    pub async fn renew_dead_letter(
-        &self,
-        key: &str,
-        holder: &str,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.sql
-            .renew_dead_letter(&self.consumer, key, holder, lease)
-            .await
-    }
-
-    /// Gives the copy lease back (see [`SqlStore::release_dead_letter`]).
-    pub async fn release_dead_letter(&self, key: &str, holder: &str) -> Result<(), StoreError> {
-        self.sql
-            .release_dead_letter(&self.consumer, key, holder)
-            .await
-    }
-
-    /// Whether an attempt of the message is open (a record held under a
-    /// live lease, or uncertain within its hold), on any instance.
-    pub async fn attempt_open(&self, key: &str) -> Result<bool, StoreError> {
-        let records = self.sql.find(&self.consumer, key).await?;
-        Ok(records.iter().any(crate::Record::is_held))
-    }
-
-    /// The store's bound on one operation.
-    pub fn timeout(&self) -> Duration {
-        self.sql.timeout()
     }
 }

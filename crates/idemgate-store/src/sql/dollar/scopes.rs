@@ -20,38 +20,10 @@ use std::sync::LazyLock;
 
 use sqlx::Row;
 
-use super::{Pool, SqlStore};
+use super::{DollarSql, Pool};
 use crate::StoreError;
 use crate::record::millis;
-
-/// What a configuration says of one record namespace.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Scoping {
-    /// The namespace its records sit under (the route column): the route's
-    /// identity, or `/token` for every token route.
-    pub records: String,
-    /// What makes its record keys, as text (`key;identity=header:x-user-id`).
-    pub scope: String,
-}
-
-/// A namespace a configuration would put out of reach.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Orphaned {
-    /// The namespace's name in the registry (a route's or consumer's id).
-    pub route: String,
-    /// What scoped its records.
-    pub was: String,
-    /// What the configuration would scope them by (`None`: nothing keeps
-    /// them — the route was removed, renamed without `id`, or is no longer
-    /// protected).
-    pub now: Option<String>,
-    /// Its records still live or retained (within retention, tombstone or
-    /// a lease).
-    pub live: u64,
-    /// When the last of them is forgotten (ms since the Unix epoch, by the
-    /// database's clock).
-    pub until_ms: i64,
-}
+use crate::sql::{Orphaned, Scoping};
 
 /// The statements, with the database's clock (`{now}`) filled in.
 struct Statements {
@@ -84,7 +56,7 @@ fn statements(now: &str) -> Statements {
     }
 }
 
-impl SqlStore {
+impl DollarSql {
     fn scope_statements(&self) -> &'static Statements {
         match self.pool {
             #[cfg(feature = "postgres")]
@@ -107,7 +79,7 @@ impl SqlStore {
     /// Every namespace the registry knows that `planned` would drop or
     /// scope otherwise while records under it are live, with their count.
     /// Empty: `planned` may run.
-    pub async fn orphaned_by(
+    pub(crate) async fn orphaned_by(
         &self,
         planned: &BTreeMap<String, Scoping>,
     ) -> Result<Vec<Orphaned>, StoreError> {
@@ -144,7 +116,7 @@ impl SqlStore {
     /// Records `planned` as what the records are written under from now on,
     /// and forgets the namespaces it drops (call it once
     /// [`Self::orphaned_by`] found nothing).
-    pub async fn register_scopes(
+    pub(crate) async fn register_scopes(
         &self,
         planned: &BTreeMap<String, Scoping>,
     ) -> Result<(), StoreError> {
@@ -189,7 +161,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_namespace_with_live_records_cannot_be_dropped_or_rescoped() {
-        let sql = super::super::sqlite_in_memory().await;
+        let sql = crate::sql::sqlite_in_memory().await;
         let first = plan(&[
             ("pay", "key;identity=header:x-user-id"),
             ("hook", "callback;business_key=json:/id;by_path=false"),
@@ -231,13 +203,19 @@ mod tests {
         let without_hook = plan(&[("pay", "key;identity=header:x-user-id")]);
         assert!(sql.orphaned_by(&without_hook).await.unwrap().is_empty());
         sql.register_scopes(&without_hook).await.unwrap();
-        let registered: Vec<_> = sql
-            .registered()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|r| r.0)
-            .collect();
-        assert_eq!(registered, vec!["pay".to_owned()]);
+        // Forgotten: a live record under "hook" now orphans nothing.
+        let hooked = RecordKey::new("c_1", "hook", "k-2");
+        sql.claim(
+            &hooked,
+            "fp",
+            "rid",
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        let dropped = sql.orphaned_by(&plan(&[])).await.unwrap();
+        let names: Vec<_> = dropped.iter().map(|o| o.route.as_str()).collect();
+        assert_eq!(names, vec!["pay"]);
     }
 }

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use sqlx::Row;
 
-use super::super::StoreError;
-use super::{Pool, SqlStore};
+use super::{DollarSql, Pool};
+use crate::StoreError;
 use crate::record::millis;
 
 /// How long one maintenance statement may run.
@@ -44,12 +44,12 @@ const SWEEPER_LOCK_WAIT: &str = "200ms";
 /// long as its statement may run (`0`: no lock timeout of its own).
 const CLAIM_LOCK_WAIT: &str = "0";
 
-impl SqlStore {
+impl DollarSql {
     /// Makes the partitions that cover expiries up to the retention plus
     /// [`SPANS_AHEAD`] spans from now; returns how many were made. Nothing
     /// to do on SQLite.
     #[allow(irrefutable_let_patterns)] // a build without SQLite
-    pub async fn extend_partitions(&self) -> Result<u32, StoreError> {
+    pub(crate) async fn extend_partitions(&self) -> Result<u32, StoreError> {
         let Pool::Postgres(pool) = &self.pool else {
             return Ok(0);
         };
@@ -107,7 +107,10 @@ impl SqlStore {
     /// A partition whose DDL lock was not granted is left for the next
     /// sweep (logged).
     #[allow(irrefutable_let_patterns)]
-    pub async fn sweep_partitions(&self, archive: bool) -> Result<(u64, Vec<String>), StoreError> {
+    pub(crate) async fn sweep_partitions(
+        &self,
+        archive: bool,
+    ) -> Result<(u64, Vec<String>), StoreError> {
         let mut by_rows = Vec::new();
         let Pool::Postgres(pool) = &self.pool else {
             return Ok((0, by_rows));
