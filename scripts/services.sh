@@ -87,4 +87,13 @@ if ! nginx_bin && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   [ "$had_policy" = 1 ] || rm -f /usr/sbin/policy-rc.d
 fi
 nginx_bin && echo "services: nginx available" || echo "services: nginx NOT available"
+# The Galera tests (tests/suite/galera.rs) start a private three-node
+# cluster: the provider library and rsync (its state transfer).
+galera_ok() { [ -e /usr/lib/galera/libgalera_smm.so ] && command -v rsync >/dev/null 2>&1; }
+if ! galera_ok && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "services: installing galera-4 and rsync"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y galera-4 rsync >/dev/null 2>&1 \
+    || { apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y galera-4 rsync >/dev/null 2>&1; } || true
+fi
+galera_ok && echo "services: galera available" || echo "services: galera NOT available"
 exit 0

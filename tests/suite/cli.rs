@@ -609,6 +609,41 @@ fn the_compose_files_gateway_passes_check_config() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.admin_token"));
 }
 
+/// The same for the gateway of the compose file's `mysql` profile
+/// (`docker compose --profile mysql up idemgate-mysql`): its `mysql://`
+/// URL, without Redis, over `config/docker.toml`, passes `check-config`,
+/// which reads the URL and never connects.
+#[test]
+fn the_compose_files_mysql_gateway_passes_check_config() {
+    let environment = compose_environment("idemgate-mysql");
+    let value = |name: &str| {
+        environment
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    assert!(
+        value("IDEMGATE_DATABASE_URL").is_some_and(|url| url.starts_with("mysql://")),
+        "{environment:?}"
+    );
+    assert!(value("IDEMGATE_ADMIN_TOKEN").is_some(), "{environment:?}");
+    assert_eq!(value("IDEMGATE_REDIS_URL"), None, "{environment:?}");
+    let mut command = idemgate();
+    command
+        .args(["check-config", "--config", "config/docker.toml"])
+        .env_remove("IDEMGATE_REDIS_URL");
+    for (key, value) in &environment {
+        command.env(key, value);
+    }
+    let out = command.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// What a section of the file needs besides the key under test, to parse.
 fn section_context(section: &str) -> Option<&'static str> {
     Some(match section {

@@ -16,6 +16,7 @@ mod consumers;
 mod demo_upstream;
 mod edges;
 mod faults;
+mod galera;
 mod hostile;
 mod ingress;
 mod key_routes;

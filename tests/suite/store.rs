@@ -190,7 +190,7 @@ async fn concurrent_claims_have_one_winner(backend: Backend, test: &str) {
 /// A burst of claims and completions, batched however the writers cut it:
 /// each key, claimed twice at once, has one winner; each completion lands
 /// on its own record, and one with a stale epoch is refused. (Fixed batches
-/// through every SQLite statement size: `crates/idemgate-store/src/sql/batched.rs`.)
+/// through every SQLite statement size: `crates/idemgate-store/src/sql/dollar/batched.rs`.)
 async fn a_burst_is_written_row_by_row_correctly(backend: Backend, test: &str) {
     let Some(o) = open(backend, test, LONG, LONG).await else {
         return;

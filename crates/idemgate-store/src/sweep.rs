@@ -2,7 +2,7 @@
 //!
 //! On Postgres the record table is partitioned by expiry, and the sweeper
 //! first makes the partitions ahead and retires the partitions whose
-//! records are all forgotten (`sql/partitions.rs`): no row-by-row work for
+//! records are all forgotten (`sql/dollar/partitions.rs`): no row-by-row work for
 //! them. What is left — a partition a live lease still holds — and
 //! SQLite's one table are swept row by row.
 //!

@@ -105,7 +105,7 @@ pub struct Builder {
 impl Builder {
     /// `sqlite://PATH`, `postgres://…` or `mysql://…` (default:
     /// `sqlite://data/idemgate.db`). Each needs its cargo feature (`sqlite`,
-    /// the default, or `postgres`). A database that dies with the process
+    /// the default, `postgres` or `mysql`). A database that dies with the process
     /// (`sqlite::memory:`, `mode=memory`) is refused by [`Self::build`]: its
     /// records would vanish with a restart and every retry after it would
     /// execute again — tests say so with [`Self::in_memory_for_tests`].

@@ -13,6 +13,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 pub mod brokers;
 pub mod browser;
+pub mod galera;
 pub mod instances;
 pub mod nginx;
 pub mod services;

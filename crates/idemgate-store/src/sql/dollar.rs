@@ -8,7 +8,7 @@
 //! - claim: an insert wins a fresh key in one round trip (SQLite: `INSERT …
 //!   ON CONFLICT DO NOTHING RETURNING epoch`; Postgres, whose record table
 //!   is partitioned: the function `idempotency_claim`, see
-//!   `sql/partitions.rs`). Otherwise one conditional statement takes over a
+//!   `sql/dollar/partitions.rs`). Otherwise one conditional statement takes over a
 //!   record that may be taken (released, uncertain, lease expired,
 //!   retention expired) and bumps its epoch (SQLite: `UPDATE … RETURNING`;
 //!   Postgres: `idempotency_take_over`, which moves the row). Only when
@@ -18,10 +18,10 @@
 //!   AND state = 'in_flight'`. A holder whose lease was taken over finds zero
 //!   rows: its late write is refused (fencing).
 //!
-//! The statements themselves (`store/statements.rs`) read the database's
+//! The statements themselves (`sql/dollar/statements.rs`) read the database's
 //! clock: leases and expiries never depend on a gateway's clock.
 //!
-//! Here: the pool, bounds and single-record statements. `sql/batched.rs`:
+//! Here: the pool, bounds and single-record statements. `sql/dollar/batched.rs`:
 //! the batched claims and completions (Postgres `UNNEST` arrays, one SQLite
 //! transaction). `sql/rows.rs`: decoding a row into a [`Record`].
 //!
