@@ -3,7 +3,9 @@
 # processes on one Postgres, the demo upstream holding the first request of
 # each round for DELAY_MS, DUPLICATES waiting copies on the other instance;
 # how long after the first client's answer each waiter gets its own. Run
-# once with Postgres LISTEN/NOTIFY, once with Redis pub/sub. Writes
+# once with Postgres LISTEN/NOTIFY, once with Redis pub/sub; then the same
+# two gateways on MariaDB, which has no such channel: without Redis (the
+# safety poll) and with Redis pub/sub. Writes
 # loadtest/results/waiters.md. Only 127.0.0.1 is targeted.
 #
 #   loadtest/waiters.sh [ROUNDS] [DUPLICATES] [DELAY_MS]
@@ -13,6 +15,9 @@ ROUNDS=${1:-20}
 DUPLICATES=${2:-20}
 DELAY_MS=${3:-1000}
 PG_URL=${IDEMGATE_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
+# A server URL without a database: each run gets a database of its own.
+MY_URL=${IDEMGATE_BENCH_MYSQL_URL:-mysql://root@127.0.0.1:3306}
+my() { mariadb -h127.0.0.1 -P"${MY_URL##*:}" -uroot "$@"; }
 WORK=$(mktemp -d /tmp/idemgate-waiters.XXXX)
 SCHEMA="bench_waiters_$$"
 scripts/services.sh >/dev/null
@@ -28,6 +33,7 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
+  my -e "DROP DATABASE IF EXISTS $SCHEMA" 2>/dev/null || true
 }
 trap cleanup EXIT
 
@@ -38,8 +44,15 @@ UP=$(free_port)
 "$BIN/demo-upstream" "127.0.0.1:$UP" >"$WORK/upstream.log" 2>&1 & pids+=($!)
 wait_up "http://127.0.0.1:$UP/healthz"
 
-run() { # name redis_url
-  psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE; CREATE SCHEMA $SCHEMA"
+run() { # name redis_url [mariadb]
+  local db
+  if [ "${3:-}" = mariadb ]; then
+    my -e "DROP DATABASE IF EXISTS $SCHEMA; CREATE DATABASE $SCHEMA"
+    db="$MY_URL/$SCHEMA"
+  else
+    psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE; CREATE SCHEMA $SCHEMA"
+    db="$PG_URL?options[search_path]=$SCHEMA"
+  fi
   curl -s -X POST "http://127.0.0.1:$UP/reset" >/dev/null
   local urls=() gw=()
   for i in a b; do
@@ -50,7 +63,7 @@ run() { # name redis_url
 listen = "127.0.0.1:$port"
 admin_listen = "127.0.0.1:$admin"
 [store]
-database_url = "$PG_URL?options[search_path]=$SCHEMA"
+database_url = "$db"
 redis_url = "$2"
 redis_prefix = "bench-$$-$1:"
 [[upstreams]]
@@ -84,6 +97,8 @@ print("| %s | %d | %s | %s | %s | %s | %d / %d | %s | %s |" % (sys.argv[1], d["w
 
 run postgres-notify ""
 run redis-pubsub "redis://127.0.0.1:6379/"
+run mariadb-poll "" mariadb
+run mariadb-redis-pubsub "redis://127.0.0.1:6379/" mariadb
 
 {
   echo "# Waiters across two instances ($(date -u +%Y-%m-%d), $(git rev-parse --short HEAD))"

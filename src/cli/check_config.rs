@@ -1,7 +1,66 @@
 //! `idemgate check-config`: the listeners, the route table, the consumers
 //! and the warnings of a configuration that loaded.
 
+use std::time::Duration;
+
 use idemgate_gateway::config::Config;
+use idemgate_store::sql::{Dialect, SqlSettings, SqlStore};
+
+/// How long `check-config` tries to reach the database.
+const REACH_WITHIN: Duration = Duration::from_secs(3);
+
+/// Whether the database's commits survive a failover, when it can be
+/// reached (a server database; a SQLite file is not opened, let alone
+/// created). With `store.require_synchronous`, a database that answers
+/// and does not confirm it fails the check, as `serve` would.
+pub(super) async fn durability(config: &Config) -> Result<(), String> {
+    let url = &config.store.database_url;
+    if Dialect::of(url) == Some(Dialect::Sqlite) {
+        let line = "unconfirmed: SQLite, one file on one machine";
+        println!("\nstore commits: {line}");
+        return refuse_unless_synchronous(config, false, line);
+    }
+    let settings = SqlSettings {
+        url: url.clone(),
+        pool_size: 1,
+        timeout: REACH_WITHIN,
+        tombstone: Duration::ZERO,
+        schema: None,
+        retention: config.store.retention.get(),
+        partition_span: config.store.retention.get(),
+    };
+    let asked = tokio::time::timeout(REACH_WITHIN, async {
+        SqlStore::connect(&settings).await?.durability().await
+    })
+    .await;
+    match asked {
+        Ok(Ok(d)) => {
+            println!("\nstore commits: {d}");
+            refuse_unless_synchronous(config, d.survives_failover(), &d.to_string())
+        }
+        Ok(Err(e)) => {
+            println!("\nstore commits: not checked, the database did not answer ({e})");
+            Ok(())
+        }
+        Err(_) => {
+            println!(
+                "\nstore commits: not checked, the database did not answer within {REACH_WITHIN:?}"
+            );
+            Ok(())
+        }
+    }
+}
+
+fn refuse_unless_synchronous(config: &Config, synchronous: bool, said: &str) -> Result<(), String> {
+    if config.store.require_synchronous && !synchronous {
+        Err(format!(
+            "store.require_synchronous = true, but the database's commits are {said}: \
+             serve would refuse to start"
+        ))
+    } else {
+        Ok(())
+    }
+}
 
 /// Everything `check-config` prints, in order.
 pub(super) fn print(config: &Config) {

@@ -94,7 +94,9 @@ pub fn idemgate() -> ExitCode {
         Command::Serve => unreachable!("served above"),
         Command::CheckConfig => {
             check_config::print(&config);
-            ExitCode::SUCCESS
+            run_to_exit("idemgate", async move {
+                check_config::durability(&config).await
+            })
         }
         Command::Demo => run_to_exit("idemgate", async {
             crate::demo::run(config).await.map_err(|e| e.to_string())

@@ -731,3 +731,65 @@ fn the_documented_defaults_are_the_codes() {
         "only {checked} defaults checked: did the page's tables change shape?"
     );
 }
+
+/// `check-config` says whether the database's commits survive a failover
+/// when it can reach it, and with `store.require_synchronous` a database
+/// that does not confirm it fails the check (exit 1), as `serve` would
+/// refuse to start. SQLite is never opened for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_says_whether_a_commit_survives_a_failover() {
+    let check = |database_url: &str, strict: bool| {
+        let file = write_config(&format!(
+            r#"
+            [store]
+            database_url = "{database_url}"
+            require_synchronous = {strict}
+            [[upstreams]]
+            name = "orders"
+            url = "http://127.0.0.1:9"
+            "#
+        ));
+        let out = idemgate()
+            .args(["check-config", "--config"])
+            .arg(file.path())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite://{}/never.db", dir.path().display());
+    let (code, stdout, _) = check(&sqlite, false);
+    assert_eq!(code, Some(0));
+    assert!(
+        stdout.contains("store commits: unconfirmed: SQLite"),
+        "{stdout}"
+    );
+    assert!(
+        !dir.path().join("never.db").exists(),
+        "check-config created the file"
+    );
+    let (code, _, stderr) = check(&sqlite, true);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("require_synchronous"), "{stderr}");
+
+    let Some(db) = support::services::shared_sql("check_config_says_whether_a_commit").await else {
+        return;
+    };
+    let (code, stdout, stderr) = check(&db, false);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("store commits: unconfirmed"), "{stdout}");
+    let (code, _, stderr) = check(&db, true);
+    assert_eq!(code, Some(1), "{stderr}");
+    // A database that does not answer: said, and not a failure.
+    let gone = format!(
+        "postgres://postgres@127.0.0.1:{}/test",
+        support::dead_port()
+    );
+    let (code, stdout, stderr) = check(&gone, true);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("store commits: not checked"), "{stdout}");
+}

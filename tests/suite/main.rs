@@ -15,6 +15,7 @@ mod cli;
 mod consumers;
 mod demo_upstream;
 mod edges;
+mod failover;
 mod faults;
 mod galera;
 mod hostile;

@@ -51,6 +51,11 @@ pub struct AdminState {
     /// Each route's and consumer's name, with the identity its records
     /// are kept under (`routes[].id`), for paths that name a route.
     pub record_ids: Arc<HashMap<String, String>>,
+    /// 1 while the database confirms that a commit survives a failover
+    /// (the metric's value; `/readyz` asks again).
+    pub commit_survives: Arc<std::sync::atomic::AtomicU64>,
+    /// `store.require_synchronous`: not ready unless it does.
+    pub require_synchronous: bool,
 }
 
 impl AdminState {
@@ -156,8 +161,9 @@ async fn healthz() -> impl IntoResponse {
     Json(json!({"status": "ok"}))
 }
 
-/// Ready when SQL answers; the fast layer's state is reported, not
-/// required (the gateway stays correct on the SQL path without it).
+/// Ready when SQL answers (and, with `store.require_synchronous`, when
+/// the database confirms that a commit survives a failover); the fast
+/// layer's state and the commits' durability are reported.
 async fn readyz(State(handle): State<AdminHandle>) -> Response {
     let state = handle.current();
     let (sql, fast) = state.store.readiness().await;
@@ -180,15 +186,39 @@ async fn readyz(State(handle): State<AdminHandle>) -> Response {
             (name.to_owned(), serde_json::Value::String(broker))
         })
         .collect();
+    // Whether a commit survives a failover, asked afresh: a standby that
+    // left turns a synchronous pair into a lone server.
+    let durability = match &sql {
+        Ok(()) => Some(state.store.sql().durability().await),
+        Err(_) => None,
+    };
+    if let Some(Ok(d)) = &durability {
+        state.commit_survives.store(
+            u64::from(d.survives_failover()),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    let synchronous = matches!(&durability, Some(Ok(d)) if d.survives_failover());
+    let ready = sql.is_ok() && (synchronous || !state.require_synchronous);
     let body = json!({
-        "status": if sql.is_ok() { "ready" } else { "not ready" },
+        "status": if ready { "ready" } else { "not ready" },
         "consumers": consumers,
         "sql": match &sql { Ok(()) => "ok".to_owned(), Err(e) => e.to_string() },
+        "commit_durability": match &durability {
+            Some(Ok(d)) => d.name().to_owned(),
+            Some(Err(e)) => format!("unknown: {e}"),
+            None => "unknown".to_owned(),
+        },
+        "commit_durability_detail": match &durability {
+            Some(Ok(d)) => d.detail().to_owned(),
+            _ => String::new(),
+        },
+        "require_synchronous": state.require_synchronous,
         "sql_backend": state.store.sql().backend(),
         "fast_layer": state.store.fast_layer_name(),
         "fast_layer_state": fast_state,
     });
-    let status = if sql.is_ok() {
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

@@ -32,7 +32,9 @@
 //! - [`sql`]: the durable record, divided by concern (records, batched
 //!   writes, the delivery log, the purge log, sweeping, the scope
 //!   registry) over one seam for the databases (`sql/dialect.rs`, one
-//!   module per database).
+//!   module per database), and whether a commit survives a failover
+//!   (`sql/durability.rs`). `pg_hosts.rs`: the hosts of a Postgres URL,
+//!   for following its primary.
 //! - [`fast`], [`memory`], `redis`, `near` (feature `redis`), [`codec`]: the fast layers
 //!   and what they store.
 //! - [`tiered`]: [`Store`], the fast layer composed with SQL, with its
@@ -42,8 +44,8 @@
 //!
 //! # Features
 //!
-//! `sqlite` (default; built from source), `postgres`, `redis`. At least one
-//! of the two databases. A URL for a backend the build left out is refused
+//! `sqlite` (default; built from source), `postgres`, `mysql`, `redis`. At least one
+//! of the three databases. A URL for a backend the build left out is refused
 //! when the store is opened, naming the feature.
 
 #![warn(missing_docs)]
@@ -61,6 +63,8 @@ mod migrations;
 #[cfg(feature = "redis")]
 pub mod near;
 mod open;
+#[cfg(feature = "postgres")]
+mod pg_hosts;
 pub mod purges;
 mod record;
 #[cfg(feature = "redis")]

@@ -60,7 +60,8 @@ pub fn token(key: &RecordKey) -> String {
 /// How this process announces a settled record to the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Channel {
-    /// Nobody else to tell (SQLite).
+    /// Nothing to tell the others with (SQLite; MySQL without Redis):
+    /// their waiters poll.
     Local,
     /// `pg_notify`.
     Postgres,
@@ -234,9 +235,13 @@ async fn listen_postgres(_: Weak<Settlements>, _: String) {}
 
 #[cfg(feature = "postgres")]
 async fn listen_postgres(weak: Weak<Settlements>, url: String) {
+    // A URL naming several hosts: each in turn until one takes `LISTEN`
+    // (a standby refuses it), and the next after a failure.
+    let urls = crate::pg_hosts::each_host_url(&url);
     let mut failures = 0u32;
     loop {
-        match sqlx::postgres::PgListener::connect(&url).await {
+        let url = &urls[failures as usize % urls.len()];
+        match sqlx::postgres::PgListener::connect(url).await {
             Ok(mut listener) => match listener.listen(PG_CHANNEL).await {
                 Ok(()) => {
                     failures = 0;

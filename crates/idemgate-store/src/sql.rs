@@ -24,11 +24,13 @@ use crate::{Claim, Record, RecordKey, StoreError, StoredResponse};
 mod dialect;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod dollar;
+mod durability;
 #[cfg(feature = "mysql")]
 mod mysql;
 mod rows;
 
 pub use dialect::Dialect;
+pub use durability::Durability;
 
 /// Rows moved per sweep statement: small enough that a sweep never holds
 /// locks for long, large enough to keep up.
@@ -120,6 +122,12 @@ impl SqlStore {
     /// `SELECT 1`, for `/readyz`.
     pub async fn ping(&self) -> Result<(), StoreError> {
         on_backend!(self, b => b.ping().await)
+    }
+
+    /// Whether a commit this store makes survives a failover of its
+    /// database, as the database says now.
+    pub async fn durability(&self) -> Result<Durability, StoreError> {
+        on_backend!(self, b => b.durability().await)
     }
 
     /// How long a record stays a tombstone after its retention.

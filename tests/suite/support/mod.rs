@@ -16,6 +16,7 @@ pub mod browser;
 pub mod galera;
 pub mod instances;
 pub mod nginx;
+pub mod pg_private;
 pub mod services;
 pub mod tls;
 

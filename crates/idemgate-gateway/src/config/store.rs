@@ -70,6 +70,11 @@ pub struct StoreConfig {
     /// Prefix of every Redis key this gateway writes.
     #[serde(default = "default_redis_prefix")]
     pub redis_prefix: String,
+    /// Refuse to serve (and fail `/readyz`) unless the database confirms
+    /// that a commit survives a failover: a synchronous Postgres standby, a
+    /// Galera quorum, lossless semi-synchronous replication.
+    #[serde(default)]
+    pub require_synchronous: bool,
 }
 
 impl Default for StoreConfig {
@@ -88,6 +93,7 @@ impl Default for StoreConfig {
             memory_layer_bytes: default_memory_layer_bytes(),
             pool_size: default_pool_size(),
             redis_prefix: default_redis_prefix(),
+            require_synchronous: false,
         }
     }
 }

@@ -61,6 +61,16 @@ pub enum StartError {
     /// reach.
     #[error("{0}")]
     Config(crate::config::ConfigError),
+    /// `store.require_synchronous` is set and the database does not
+    /// confirm that a commit survives a failover.
+    #[error(
+        "store.require_synchronous = true, but the database's commits are {durability}; \
+         refusing to serve"
+    )]
+    NotSynchronous {
+        /// What the database said.
+        durability: idemgate_store::sql::Durability,
+    },
 }
 
 /// A gateway running in this process.
@@ -84,6 +94,8 @@ pub struct RunningGateway {
     purge_follower: JoinHandle<()>,
     tasks: Vec<JoinHandle<()>>,
     workers: Vec<std::thread::JoinHandle<()>>,
+    /// 1 while the database confirms its commits survive a failover.
+    commit_survives: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl RunningGateway {
@@ -148,6 +160,7 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
     let (admin, admin_addr) = bind(&plan.config.server.admin_listen, "server.admin_listen").await?;
     let metrics = Arc::new(plan.config.metrics());
     let records = Records::open(&plan.config, plan.in_memory_store_for_tests, &metrics).await?;
+    let commit_survives = commit_durability(&plan.config, &records.store, &metrics).await?;
     // Records keep their identity: a configuration that would put live
     // records out of reach does not start.
     let scopings = scopes::check(&records.store, &plan, "the configuration")
@@ -210,7 +223,8 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
         consumers::build(&shared, &records.store)?,
         stop_consumers.clone(),
     );
-    let admin_handle = crate::admin::AdminHandle::new(admin_state(&shared, &records.store));
+    let admin_handle =
+        crate::admin::AdminHandle::new(admin_state(&shared, &records.store, &commit_survives));
     let admin_task = serve_admin(admin, admin_handle.clone(), signal);
     tracing::info!(
         %public_addr,
@@ -237,7 +251,55 @@ pub async fn start_plan(plan: Plan) -> Result<RunningGateway, StartError> {
         purge_follower: records.purge_follower,
         tasks: vec![admin_task],
         workers,
+        commit_survives,
     })
+}
+
+/// Asks the database whether a commit survives a failover, says so, and
+/// refuses to start when `store.require_synchronous` wants it and it does
+/// not. The answer is kept for the metric
+/// `idemgate_store_commit_survives_failover` (`/readyz` asks again).
+async fn commit_durability(
+    config: &Config,
+    store: &Store,
+    metrics: &Metrics,
+) -> Result<Arc<std::sync::atomic::AtomicU64>, StartError> {
+    let durability = store
+        .sql()
+        .durability()
+        .await
+        .map_err(|source| StartError::Store {
+            url: redact(&config.store.database_url),
+            source,
+        })?;
+    if config.store.require_synchronous && !durability.survives_failover() {
+        return Err(StartError::NotSynchronous { durability });
+    }
+    match &durability {
+        idemgate_store::sql::Durability::Asynchronous(_) => tracing::warn!(
+            durability = durability.name(),
+            detail = durability.detail(),
+            layer = "sql",
+            "a failover of the database can lose the last commits: a claim or an answer a client \
+             saw could vanish, and its retry execute again (store.require_synchronous refuses this)"
+        ),
+        _ => tracing::info!(
+            durability = durability.name(),
+            detail = durability.detail(),
+            layer = "sql",
+            "the database's commits"
+        ),
+    }
+    let survives = Arc::new(std::sync::atomic::AtomicU64::new(u64::from(
+        durability.survives_failover(),
+    )));
+    let read = survives.clone();
+    metrics.gauge(
+        "idemgate_store_commit_survives_failover",
+        "1 when the database confirmed, at start or at the last /readyz, that a commit survives a failover (a synchronous standby, a Galera quorum, lossless semi-synchronous replication); 0 otherwise.",
+        move || read.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    Ok(survives)
 }
 
 /// Binds a listener named by the configuration key `key`.
@@ -408,8 +470,14 @@ impl InForce {
 }
 
 /// What the admin API reads, from the shared state in force.
-fn admin_state(shared: &InForce, store: &Store) -> crate::admin::AdminState {
+fn admin_state(
+    shared: &InForce,
+    store: &Store,
+    commit_survives: &Arc<std::sync::atomic::AtomicU64>,
+) -> crate::admin::AdminState {
     crate::admin::AdminState {
+        commit_survives: commit_survives.clone(),
+        require_synchronous: shared.config.store.require_synchronous,
         metrics: shared.metrics.clone(),
         store: store.clone(),
         identity: shared.identity.clone(),

@@ -75,7 +75,8 @@ impl RunningGateway {
         };
         let fingerprint = plan.config.fingerprint();
         let shared = Arc::new(self.shared.reloaded(plan));
-        self.admin.replace(admin_state(&shared, &self.store));
+        self.admin
+            .replace(admin_state(&shared, &self.store, &self.commit_survives));
         // The consumers: the old ones finish the messages in hand (within
         // the grace), the new ones start.
         self.stop_consumers.cancel();

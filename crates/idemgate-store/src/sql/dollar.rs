@@ -50,6 +50,8 @@ mod deliveries;
 mod partitions;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "postgres")]
+mod primary;
 mod purge_log;
 mod records;
 mod scopes;
@@ -85,6 +87,8 @@ struct PgParts {
     /// How far ahead partitions are made, and how wide.
     retention: Duration,
     partition_span: Duration,
+    /// While any clone of the store lives: the primary's watcher runs.
+    _alive: std::sync::Arc<()>,
 }
 
 #[cfg(feature = "sqlite")]
@@ -109,7 +113,8 @@ impl DollarSql {
                 ),
             });
         }
-        let pool = Pool::connect(dialect, settings).await?;
+        let alive = std::sync::Arc::new(());
+        let pool = Pool::connect(dialect, settings, std::sync::Arc::downgrade(&alive)).await?;
         Ok(DollarSql {
             url: settings.url.as_str().into(),
             pool,
@@ -124,6 +129,7 @@ impl DollarSql {
                     .partition_span
                     .clamp(MIN_PARTITION_SPAN, MAX_PARTITION_SPAN)
                     .max((settings.retention + settings.tombstone) / MAX_LIVE_PARTITIONS),
+                _alive: alive,
             },
         })
     }
@@ -184,6 +190,33 @@ impl DollarSql {
             with_pool!(self, pool => sqlx::query("SELECT 1").execute(pool).await.map(|_| ()))
         })
         .await
+    }
+
+    /// Whether a commit survives a failover (see [`crate::sql::Durability`]).
+    pub(crate) async fn durability(&self) -> Result<crate::sql::Durability, StoreError> {
+        match &self.pool {
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(pool) => {
+                let (commit, names, sync, all): (String, String, i64, i64) = self
+                    .bounded("durability", async {
+                        sqlx::query_as(
+                            "SELECT current_setting('synchronous_commit'), \
+                                    current_setting('synchronous_standby_names'), \
+                                    (SELECT count(*) FROM pg_stat_replication \
+                                      WHERE sync_state IN ('sync', 'quorum')), \
+                                    (SELECT count(*) FROM pg_stat_replication)",
+                        )
+                        .fetch_one(pool)
+                        .await
+                    })
+                    .await?;
+                Ok(crate::sql::durability::postgres(&commit, &names, sync, all))
+            }
+            #[cfg(feature = "sqlite")]
+            Pool::Sqlite(_) => Ok(crate::sql::Durability::Unconfirmed(
+                "SQLite: one file on one machine, replicated by nothing the store can see".into(),
+            )),
+        }
     }
 
     /// This database's statements.

@@ -259,6 +259,37 @@ impl MysqlSql {
     }
 
     /// `SELECT 1`, for `/readyz`.
+    /// Whether a commit survives a failover (see [`crate::sql::Durability`]):
+    /// a Galera cluster, or semi-synchronous replication.
+    pub(crate) async fn durability(&self) -> Result<crate::sql::Durability, StoreError> {
+        use sqlx::Row;
+        let rows = run!(self, "durability", |conn| {
+            let mut rows = Vec::new();
+            for show in ["SHOW GLOBAL STATUS", "SHOW GLOBAL VARIABLES"] {
+                let found = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "{show} WHERE Variable_name LIKE 'wsrep\\_%' \
+                     OR Variable_name LIKE 'rpl\\_semi\\_sync\\_%'"
+                )))
+                .fetch_all(&mut *conn)
+                .await?;
+                for row in found {
+                    // Bytes: the server labels these columns binary.
+                    let name: Vec<u8> = row.try_get(0)?;
+                    let value: Vec<u8> = row.try_get(1)?;
+                    rows.push((
+                        String::from_utf8_lossy(&name).to_ascii_lowercase(),
+                        String::from_utf8_lossy(&value).into_owned(),
+                    ));
+                }
+            }
+            Ok::<_, sqlx::Error>(rows)
+        })
+        .await?;
+        Ok(crate::sql::durability::mysql(|name| {
+            rows.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+        }))
+    }
+
     pub(crate) async fn ping(&self) -> Result<(), StoreError> {
         run!(self, "ping", |conn| conn
             .execute("SELECT 1")

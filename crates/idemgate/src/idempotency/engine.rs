@@ -159,6 +159,10 @@ const WAIT_SAFETY_POLL: Duration = Duration::from_millis(500);
 /// A duplicate waiting for a holder on another instance claims again this
 /// often even without an announcement (one lost with a dropped listener).
 pub const CROSS_INSTANCE_SAFETY_POLL: Duration = Duration::from_secs(1);
+/// ... and this often where nothing announces a settled record (MySQL
+/// without Redis has no `LISTEN/NOTIFY`): the poll is the only wake-up, so
+/// it is short, at the cost of a claim attempt per waiter each time.
+pub const UNANNOUNCED_POLL: Duration = Duration::from_millis(200);
 
 impl Engine {
     /// The store its records are in.

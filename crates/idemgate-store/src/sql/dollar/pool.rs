@@ -35,14 +35,18 @@ macro_rules! with_pool {
 
 impl Pool {
     /// Connects to `dialect`'s database; a database this build left out is
-    /// refused naming its cargo feature.
+    /// refused naming its cargo feature. Background work for the pool (the
+    /// Postgres primary's watcher) ends once `alive` has no owner.
     pub(super) async fn connect(
         dialect: Dialect,
         settings: &SqlSettings,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] alive: std::sync::Weak<()>,
     ) -> Result<Pool, StoreError> {
         match dialect {
             #[cfg(feature = "postgres")]
-            Dialect::Postgres => Ok(Pool::Postgres(super::postgres::connect(settings).await?)),
+            Dialect::Postgres => Ok(Pool::Postgres(
+                super::postgres::connect(settings, alive).await?,
+            )),
             #[cfg(feature = "sqlite")]
             Dialect::Sqlite => Ok(Pool::Sqlite(super::sqlite::connect(settings).await?)),
             #[allow(unreachable_patterns)] // every database built in

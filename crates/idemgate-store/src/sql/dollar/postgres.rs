@@ -10,6 +10,7 @@ use std::time::Duration;
 use sqlx::postgres::PgPool;
 
 use super::DollarSql;
+use super::primary::{self, Primary};
 use crate::StoreError;
 use crate::held::HeldConnection;
 use crate::sql::{SqlSettings, check_schema};
@@ -53,14 +54,23 @@ impl DollarSql {
     }
 }
 
-/// Connects to Postgres as `settings` say.
-pub(super) async fn connect(settings: &SqlSettings) -> Result<PgPool, StoreError> {
+/// Connects to Postgres as `settings` say: to the first host of the URL
+/// that takes writes, watched while `alive` has an owner
+/// ([`super::primary`]).
+pub(super) async fn connect(
+    settings: &SqlSettings,
+    alive: std::sync::Weak<()>,
+) -> Result<PgPool, StoreError> {
     let unavailable = |e: sqlx::Error| StoreError::Unavailable {
         op: "connect",
         cause: e.to_string(),
     };
+    let hosts = primary::hosts(&settings.url).map_err(|cause| StoreError::Unavailable {
+        op: "connect",
+        cause,
+    })?;
     let statement_timeout = server_side_bound(settings.timeout).as_millis().to_string();
-    let options = PgConnectOptions::from_str(&settings.url)
+    let options = PgConnectOptions::from_str(&hosts.first)
         .map_err(unavailable)?
         // The server abandons a query the gateway has given up on,
         // instead of holding its locks.
@@ -94,6 +104,16 @@ pub(super) async fn connect(settings: &SqlSettings) -> Result<PgPool, StoreError
         }
         None => options,
     };
+    let primary = Primary::new(&options, &hosts);
+    let options = if hosts.list.len() > 1 {
+        primary
+            .find_writable(settings.timeout)
+            .await
+            .map_err(unavailable)?
+    } else {
+        options
+    };
+    let watched = primary.clone();
     let pool = PgPoolOptions::new()
         .max_connections(settings.pool_size)
         .acquire_timeout(acquire_bound(settings.timeout))
@@ -102,8 +122,24 @@ pub(super) async fn connect(settings: &SqlSettings) -> Result<PgPool, StoreError
         // batch. A connection used moments ago is known to be alive;
         // only one that sat idle is checked, as HikariCP does.
         .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
+        // A server that takes no writes (a standby a failover left, a
+        // fenced primary) is no place for claims.
+        .after_connect(|conn, _| {
             Box::pin(async move {
+                if primary::takes_writes(conn).await? {
+                    Ok(())
+                } else {
+                    Err(primary::read_only("the server"))
+                }
+            })
+        })
+        .before_acquire(move |conn, meta| {
+            let stale = watched.is_stale(meta.age);
+            Box::pin(async move {
+                // Opened before the primary moved: closed, not reused.
+                if stale {
+                    return Ok(false);
+                }
                 if meta.idle_for > PING_IF_IDLE_FOR {
                     sqlx::Connection::ping(conn).await?;
                 }
@@ -113,5 +149,6 @@ pub(super) async fn connect(settings: &SqlSettings) -> Result<PgPool, StoreError
         .connect_with(options)
         .await
         .map_err(unavailable)?;
+    tokio::spawn(primary.watch(pool.clone(), settings.timeout, alive));
     Ok(pool)
 }

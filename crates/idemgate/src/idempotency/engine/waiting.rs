@@ -7,7 +7,7 @@ use std::time::Instant;
 use idemgate_core::metrics::WakeUp;
 
 use super::super::holder::Published;
-use super::{CROSS_INSTANCE_SAFETY_POLL, Engine, Ticket, WAIT_SAFETY_POLL};
+use super::{CROSS_INSTANCE_SAFETY_POLL, Engine, Ticket, UNANNOUNCED_POLL, WAIT_SAFETY_POLL};
 
 impl Engine {
     /// A duplicate's wait: for this process's holder of the key to publish
@@ -34,7 +34,11 @@ impl Engine {
                     tracing::debug!(route = %ticket.key.route, key = %ticket.key.escaped(), error = %e, layer = "engine", "flagging a waited-for record failed; polling");
                 }
             }
-            let safety = (Instant::now() + CROSS_INSTANCE_SAFETY_POLL).min(until);
+            let poll = match self.store.channel() {
+                idemgate_store::settle::Channel::Local => UNANNOUNCED_POLL,
+                _ => CROSS_INSTANCE_SAFETY_POLL,
+            };
+            let safety = (Instant::now() + poll).min(until);
             let by = match tokio::time::timeout_at(safety.into(), watch.settled()).await {
                 Ok(()) => WakeUp::Announcement,
                 Err(_) => WakeUp::Poll,

@@ -1,0 +1,217 @@
+//! Following the Postgres primary through a failover.
+//!
+//! A claim is a write, so only a writable server will do. The database
+//! URL may name several hosts, as libpq's do
+//! (`postgres://u@h1:5432,h2:5432/db?target_session_attrs=read-write`), or
+//! one name (DNS, a VIP, a pgbouncer) that moves. Either way, after a
+//! failover the pool may hold connections to a server that is gone or came
+//! back as a read-only standby: each of those fails its operation with an
+//! error (`503`, nothing forwarded), never with "no record", but a pool
+//! that keeps them would fail for as long as they live.
+//!
+//! So:
+//! - every new connection asks the server whether it takes writes and is
+//!   refused if not (`after_connect`);
+//! - a watcher asks the same every [`WATCH_EVERY`] on a pooled connection.
+//!   When the answer is "read-only", or the connection broke, every
+//!   connection opened before that moment is closed instead of being handed
+//!   out again (`before_acquire` compares its age), and with several hosts
+//!   the watcher finds the writable one and points the pool at it.
+//!
+//! sqlx takes one host per pool; the host list, the search and the switch
+//! are this module's, the smallest layer over `Pool::set_connect_options`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use sqlx::Connection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
+
+pub(super) use crate::pg_hosts::{Hosts, hosts};
+
+/// How often the watcher asks whether the pool's server still takes writes.
+pub(super) const WATCH_EVERY: Duration = Duration::from_millis(500);
+
+/// Whether the server behind a connection takes writes: not a standby in
+/// recovery, and not read-only by default (a primary an operator or a
+/// failover tool fenced).
+const TAKES_WRITES: &str = "SELECT NOT pg_is_in_recovery() \
+     AND current_setting('transaction_read_only') = 'off'";
+
+/// What the pool's hooks and the watcher share.
+pub(super) struct Primary {
+    /// Every host of the URL, each with the store's connect options.
+    candidates: Vec<PgConnectOptions>,
+    /// Connections opened before this (ms after `started`) are closed
+    /// instead of handed out: they may point at a server that moved.
+    stale_before_ms: AtomicU64,
+    started: Instant,
+}
+
+impl Primary {
+    pub(super) fn new(base: &PgConnectOptions, hosts: &Hosts) -> Arc<Primary> {
+        Arc::new(Primary {
+            candidates: hosts
+                .list
+                .iter()
+                .map(|(host, port)| base.clone().host(host).port(*port))
+                .collect(),
+            stale_before_ms: AtomicU64::new(0),
+            started: Instant::now(),
+        })
+    }
+
+    /// Whether a connection of this age was opened before the last time
+    /// the primary was found gone or read-only.
+    pub(super) fn is_stale(&self, age: Duration) -> bool {
+        let stale_before = self.stale_before_ms.load(Ordering::Relaxed);
+        if stale_before == 0 {
+            return false;
+        }
+        let opened = self.started.elapsed().saturating_sub(age);
+        (opened.as_millis() as u64) < stale_before
+    }
+
+    fn mark_stale(&self) {
+        let now = self.started.elapsed().as_millis() as u64;
+        self.stale_before_ms
+            .fetch_max(now.max(1), Ordering::Relaxed);
+    }
+
+    /// The first host, in the URL's order, that takes writes now.
+    pub(super) async fn find_writable(
+        &self,
+        within: Duration,
+    ) -> Result<PgConnectOptions, sqlx::Error> {
+        let mut last = None;
+        for options in &self.candidates {
+            match tokio::time::timeout(within, probe(options)).await {
+                Ok(Ok(true)) => return Ok(options.clone()),
+                Ok(Ok(false)) => {
+                    last = Some(read_only(&format!(
+                        "{}:{}",
+                        options.get_host(),
+                        options.get_port()
+                    )))
+                }
+                Ok(Err(e)) => last = Some(e),
+                Err(_) => last = Some(sqlx::Error::PoolTimedOut),
+            }
+        }
+        Err(last.unwrap_or(sqlx::Error::PoolTimedOut))
+    }
+
+    /// Watches `pool` until `alive` says the store is gone: see the module
+    /// docs.
+    pub(super) async fn watch(
+        self: Arc<Self>,
+        pool: PgPool,
+        timeout: Duration,
+        alive: std::sync::Weak<()>,
+    ) {
+        let mut moved = false;
+        loop {
+            tokio::time::sleep(WATCH_EVERY).await;
+            if alive.strong_count() == 0 {
+                return;
+            }
+            let check = async {
+                let mut conn = pool.acquire().await?;
+                takes_writes(&mut conn).await
+            };
+            let healthy = match tokio::time::timeout(timeout, check).await {
+                Ok(Ok(writable)) => writable,
+                // No connection in time: the pool is busy, or it keeps
+                // failing to reach its server (sqlx retries a refused
+                // connect until the wait runs out). Ask the server itself.
+                Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => {
+                    let options = pool.connect_options();
+                    matches!(
+                        tokio::time::timeout(timeout, probe(&options)).await,
+                        Ok(Ok(true))
+                    )
+                }
+                Ok(Err(_)) => false,
+            };
+            if healthy {
+                if moved {
+                    tracing::info!(layer = "sql", "the pool's server takes writes again");
+                    moved = false;
+                }
+                continue;
+            }
+            if !moved {
+                tracing::warn!(
+                    layer = "sql",
+                    "the pool's server is gone or read-only: closing its connections and \
+                     looking for the primary; store operations fail (503) meanwhile"
+                );
+                moved = true;
+            }
+            self.mark_stale();
+            if self.candidates.len() > 1 {
+                match self.find_writable(timeout).await {
+                    Ok(options) => {
+                        tracing::info!(
+                            layer = "sql",
+                            host = options.get_host(),
+                            port = options.get_port(),
+                            "the primary is found; new connections go there"
+                        );
+                        pool.set_connect_options(options);
+                        // Anything opened while the search ran went
+                        // to the old target.
+                        self.mark_stale();
+                    }
+                    Err(e) => {
+                        tracing::warn!(layer = "sql", error = %e, "no host of the database URL takes writes")
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Asks the server `options` name, on a connection of its own, whether it
+/// takes writes.
+async fn probe(options: &PgConnectOptions) -> Result<bool, sqlx::Error> {
+    let mut conn = PgConnection::connect_with(options).await?;
+    let writable = takes_writes(&mut conn).await;
+    let _ = conn.close().await;
+    writable
+}
+
+/// Asks the server behind `conn` whether it takes writes.
+pub(super) async fn takes_writes(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar::<_, bool>(TAKES_WRITES)
+        .fetch_one(conn)
+        .await
+}
+
+/// The error a connection to a server (`which`) that takes no writes is
+/// refused with.
+pub(super) fn read_only(which: &str) -> sqlx::Error {
+    sqlx::Error::Configuration(
+        format!(
+            "{which} does not take writes (a standby, or read-only): the store needs the primary"
+        )
+        .into(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_older_than_a_move_are_stale() {
+        let hosts = crate::pg_hosts::hosts("postgres://h1/db").unwrap();
+        let primary = Primary::new(&PgConnectOptions::new(), &hosts);
+        assert!(!primary.is_stale(Duration::from_secs(3600)));
+        std::thread::sleep(Duration::from_millis(5));
+        primary.mark_stale();
+        assert!(primary.is_stale(Duration::from_millis(4)));
+        assert!(!primary.is_stale(Duration::ZERO));
+    }
+}
