@@ -428,3 +428,106 @@ async fn a_killed_primary_and_a_promoted_synchronous_standby_lose_no_claim() {
     second.shutdown().await;
     stack.shutdown().await;
 }
+
+/// Redis Sentinel as the fast layer (`redis+sentinel://…/service`): the
+/// master is killed under 40 retrying clients and the Sentinel promotes
+/// its replica, which may lack the last markers and answers. SQL decides
+/// meanwhile: every key runs once, no two copies at once, every answer a
+/// client saw replays; and the gateway finds the new master by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_of_the_fast_layer_lets_no_retry_through() {
+    let test = "a_sentinel_failover_of_the_fast_layer";
+    let Some(mut redis) = support::sentinel::SentinelSet::start(test).await else {
+        return;
+    };
+    let Some(db) = support::services::shared_sql(test).await else {
+        return;
+    };
+    let stack = Stack::start_with(KEY_ROUTES, |c| {
+        c.store.database_url = db;
+        c.store.redis_url = redis.url();
+        c.store.timeout = "1s".into();
+    })
+    .await;
+    let fast_layer_ok = || async {
+        let ready = stack.http.get(&stack.admin("/readyz")).await;
+        ready.json()["fast_layer_state"] == "ok"
+    };
+    assert!(support::eventually(Duration::from_secs(10), fast_layer_ok).await);
+
+    const KEYS: usize = 40;
+    let clients: Vec<_> = (0..KEYS)
+        .map(|k| {
+            let http = stack.http.clone();
+            let url = stack.url(&format!("/actions/s{k}"));
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50 * k as u64)).await;
+                for attempt in 0.. {
+                    let a = http
+                        .send(
+                            "POST",
+                            &url,
+                            &[
+                                ("idempotency-key", &format!("s{k}")),
+                                ("x-demo-delay-ms", "100"),
+                            ],
+                            "{}",
+                        )
+                        .await;
+                    match a.status.as_u16() {
+                        201 => return a.body,
+                        409 | 503 => tokio::time::sleep(Duration::from_millis(100)).await,
+                        other => panic!("{other} {:?}", String::from_utf8_lossy(&a.body)),
+                    }
+                    assert!(attempt < 300, "s{k} never answered");
+                }
+                unreachable!()
+            })
+        })
+        .collect();
+    support::reached(&stack.upstream, 10).await;
+    let old = redis.master;
+    redis.kill_master();
+    let mut answers = Vec::new();
+    for client in clients {
+        answers.push(client.await.unwrap());
+    }
+    let promoted = support::eventually(Duration::from_secs(20), || async {
+        redis.master_port().await.is_some_and(|p| p != old)
+    })
+    .await;
+    assert!(promoted, "the Sentinel never promoted the replica");
+    assert!(
+        support::eventually(Duration::from_secs(15), fast_layer_ok).await,
+        "the gateway never found the new master"
+    );
+    for (k, body) in answers.iter().enumerate() {
+        let a = stack
+            .http
+            .send(
+                "POST",
+                &stack.url(&format!("/actions/s{k}")),
+                &[("idempotency-key", &format!("s{k}"))],
+                "{}",
+            )
+            .await;
+        assert_eq!(
+            a.status,
+            201,
+            "s{k}: {:?}",
+            String::from_utf8_lossy(&a.body)
+        );
+        assert_eq!(a.header("idempotent-replayed"), Some("true"));
+        assert_eq!(&a.body, body, "s{k}");
+    }
+    let stats = stack.upstream.state.stats();
+    for k in 0..KEYS {
+        let runs: u64 = stats
+            .executions
+            .get(&format!("s{k}"))
+            .map_or(0, |by_key| by_key.values().sum());
+        assert_eq!(runs, 1, "s{k} ran {runs} times");
+    }
+    assert!(stats.peak_copies <= 1, "peak copies {}", stats.peak_copies);
+    stack.shutdown().await;
+}

@@ -237,13 +237,20 @@ impl Problem {
 }
 
 /// A URL (database, broker) without its password, for messages and logs.
+/// Masked by position, not by a URL parser: URLs the parser refuses (a
+/// libpq host list `h1:5432,h2:5432`, a Sentinel list) carry passwords too.
 pub fn redact_url(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut parsed) if parsed.password().is_some() => {
-            let _ = parsed.set_password(Some("***"));
-            parsed.to_string()
-        }
-        _ => url.to_owned(),
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let Some((userinfo, hosts)) = authority.rsplit_once('@') else {
+        return url.to_owned();
+    };
+    match userinfo.split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***@{hosts}{tail}"),
+        None => url.to_owned(),
     }
 }
 
@@ -295,5 +302,30 @@ mod tests {
         assert_eq!(v["status"], 409);
         assert_eq!(v["title"], Reason::RequestInFlight.title());
         assert_eq!(v["detail"], "d");
+    }
+
+    #[test]
+    fn a_password_is_masked_in_every_url_form() {
+        for (url, masked) in [
+            (
+                "postgres://u:secret@h1:5432/db",
+                "postgres://u:***@h1:5432/db",
+            ),
+            (
+                "postgres://u:se%40cret@h1:5432,h2:5433/db?target_session_attrs=read-write",
+                "postgres://u:***@h1:5432,h2:5433/db?target_session_attrs=read-write",
+            ),
+            (
+                "redis+sentinel://:pw@h1:26379,h2:26379/mymaster",
+                "redis+sentinel://:***@h1:26379,h2:26379/mymaster",
+            ),
+            (
+                "mysql://root@127.0.0.1:3306/test",
+                "mysql://root@127.0.0.1:3306/test",
+            ),
+            ("sqlite://data/idemgate.db", "sqlite://data/idemgate.db"),
+        ] {
+            assert_eq!(redact_url(url), masked);
+        }
     }
 }

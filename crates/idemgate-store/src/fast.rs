@@ -85,6 +85,15 @@ pub trait FastLayer: Send + Sync + 'static {
     /// Forgets `key`.
     fn remove<'a>(&'a self, key: &'a RecordKey) -> BoxFuture<'a, Result<(), FastError>>;
 
+    /// When this layer last moved to another server after a failure (a
+    /// Sentinel failover). Its in-flight markers from before may be
+    /// stale — a promoted replica can hold a marker whose outcome the old
+    /// master took but never passed on — so for one lease after it they
+    /// are not trusted to answer "in flight"; SQL is asked instead.
+    fn moved_at(&self) -> Option<std::time::Instant> {
+        None
+    }
+
     /// Checks the layer answers (for `/readyz`).
     fn ping(&self) -> BoxFuture<'_, Result<(), FastError>>;
 

@@ -69,6 +69,8 @@ pub mod purges;
 mod record;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "redis")]
+mod redis_url;
 pub mod settle;
 pub mod sql;
 

@@ -131,6 +131,10 @@ impl FastLayer for NearLayer {
         self.shared.remove(key)
     }
 
+    fn moved_at(&self) -> Option<std::time::Instant> {
+        self.shared.moved_at()
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), FastError>> {
         self.shared.ping()
     }

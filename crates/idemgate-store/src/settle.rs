@@ -208,7 +208,7 @@ impl Settlements {
             Channel::Postgres => tokio::spawn(listen_postgres(weak, options.database_url.clone())),
             Channel::Redis => tokio::spawn(listen_redis(
                 weak,
-                redis_server(&options.redis_url),
+                options.redis_url.clone(),
                 redis_channel(&options.redis_prefix),
             )),
         };
@@ -296,7 +296,10 @@ async fn listen_redis(weak: Weak<Settlements>, url: String, channel: String) {
     let mut failures = 0u32;
     loop {
         let subscribed = async {
-            let client = redis::Client::open(url.as_str())?;
+            // The one server, a cluster's first seed node (Redis Cluster
+            // forwards every `PUBLISH` to all its nodes), or the
+            // Sentinels' master now.
+            let client = crate::redis_url::pubsub_client(&url).await?;
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.subscribe(&channel).await?;
             Ok::<_, redis::RedisError>(pubsub)
@@ -330,18 +333,6 @@ async fn listen_redis(weak: Weak<Settlements>, url: String, channel: String) {
         }
         tokio::time::sleep(backoff(failures)).await;
         failures = failures.saturating_add(1);
-    }
-}
-
-/// The Redis server to subscribe on: for a cluster its first seed node
-/// (Redis Cluster forwards every `PUBLISH` to all its nodes).
-fn redis_server(url: &str) -> String {
-    match url.strip_prefix("redis+cluster://") {
-        Some(nodes) => {
-            let first = nodes.trim_end_matches('/').split(',').next().unwrap_or("");
-            format!("redis://{first}")
-        }
-        None => url.to_owned(),
     }
 }
 

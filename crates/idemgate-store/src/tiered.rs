@@ -33,6 +33,7 @@ use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
 use idemgate_core::metrics::Metrics;
 
 mod purging;
+mod repairs;
 mod writes;
 
 use writes::{LARGE_BODY, LARGE_LANE, Writes, completion_batcher};
@@ -96,6 +97,8 @@ pub struct Store {
     /// settled record is announced to the other instances.
     settlements: Arc<Settlements>,
     channel: Channel,
+    /// Fast-layer keys whose write failed, removed once it answers.
+    repairs: Arc<repairs::Repairs>,
 }
 
 impl Store {
@@ -128,6 +131,7 @@ impl Store {
             metrics,
             settlements,
             channel,
+            repairs: Arc::default(),
         }
     }
 
@@ -283,10 +287,21 @@ impl Store {
                         response,
                         expires_at_ms,
                     },
-                    FastEntry::InFlight { expires_at_ms, .. } => Claim::InFlight {
-                        retry_after: self.settings.lease,
-                        expires_at_ms,
-                    },
+                    FastEntry::InFlight { expires_at_ms, .. } => {
+                        // Placed before the layer moved to another server:
+                        // maybe stale, so SQL is asked (see
+                        // `FastLayer::moved_at`).
+                        if fast
+                            .moved_at()
+                            .is_some_and(|at| at.elapsed() < self.settings.lease)
+                        {
+                            return FastClaim::ToSql;
+                        }
+                        Claim::InFlight {
+                            retry_after: self.settings.lease,
+                            expires_at_ms,
+                        }
+                    }
                 })
             }
             Some(Some((entry, _))) if entry.key() != key => {
@@ -334,11 +349,7 @@ impl Store {
                 // is finished in the background instead of given up.
                 let removed = self.fast("remove", fast.remove(key)).await;
                 if removed.is_none() {
-                    let (fast, key) = (fast.clone(), key.clone());
-                    let bound = self.sql.timeout();
-                    tokio::spawn(async move {
-                        let _ = tokio::time::timeout(bound, fast.remove(&key)).await;
-                    });
+                    self.repair_later(fast, key);
                 }
             }
             _ => {}
@@ -525,12 +536,28 @@ impl Store {
         ttl: Duration,
         read: BeforeReading,
     ) {
-        if read.at.elapsed() < WRITE_BACK_WITHIN {
+        let written = if read.at.elapsed() < WRITE_BACK_WITHIN {
             self.fast("put", fast.put_unless_purged(entry, ttl, read.purges_seen))
-                .await;
+                .await
         } else {
-            self.fast("remove", fast.remove(entry.key())).await;
+            self.fast("remove", fast.remove(entry.key())).await
+        };
+        if written.is_none() {
+            self.repair_later(fast, entry.key());
         }
+    }
+
+    /// A write to the fast layer failed: the marker this request placed
+    /// may still be there, answering every retry "in flight" without SQL.
+    /// The key is removed once the layer answers again (see
+    /// `tiered/repairs.rs`).
+    fn repair_later(&self, fast: &Arc<dyn FastLayer>, key: &RecordKey) {
+        self.repairs.remove_later(
+            fast,
+            key,
+            self.settings.lease,
+            self.settings.fast_layer_budget,
+        );
     }
 
     /// Gives the claim up: the request had no effect upstream.
@@ -629,8 +656,10 @@ impl Store {
 
     /// Drops whatever the fast layer holds for `key` (SQL answers next).
     pub async fn forget(&self, key: &RecordKey) {
-        if let Some(fast) = &self.fast {
-            self.fast("remove", fast.remove(key)).await;
+        if let Some(fast) = &self.fast
+            && self.fast("remove", fast.remove(key)).await.is_none()
+        {
+            self.repair_later(fast, key);
         }
     }
 

@@ -17,6 +17,7 @@ pub mod galera;
 pub mod instances;
 pub mod nginx;
 pub mod pg_private;
+pub mod sentinel;
 pub mod services;
 pub mod tls;
 

@@ -28,7 +28,8 @@ pub struct StoreConfig {
     #[serde(default = "default_database_url")]
     pub database_url: String,
     /// The fast layer: empty for in process; `redis://…` or `rediss://…`;
-    /// `redis+cluster://host:port,…` for Redis Cluster.
+    /// `redis+cluster://host:port,…` for Redis Cluster;
+    /// `redis+sentinel://host:port,…/service` for Redis Sentinel.
     #[serde(default)]
     pub redis_url: String,
     /// How long a record lives, counted from its claim (default 24 h).
@@ -203,14 +204,20 @@ impl StoreConfig {
             );
         }
         let redis = &self.redis_url;
-        let redis_ok = ["redis://", "rediss://", "redis+cluster://"]
-            .iter()
-            .any(|scheme| redis.starts_with(scheme));
+        let redis_ok = [
+            "redis://",
+            "rediss://",
+            "redis+cluster://",
+            "redis+sentinel://",
+        ]
+        .iter()
+        .any(|scheme| redis.starts_with(scheme));
         if !redis.is_empty() && !redis_ok {
             add(
                 "store.redis_url".into(),
                 format!(
-                    "{redis:?} must be empty (in-process fast layer), redis://… or redis+cluster://…"
+                    "{redis:?} must be empty (in-process fast layer), redis://…, \
+                     redis+cluster://… or redis+sentinel://…/service"
                 ),
             );
         }

@@ -264,14 +264,20 @@ async fn commit_durability(
     store: &Store,
     metrics: &Metrics,
 ) -> Result<Arc<std::sync::atomic::AtomicU64>, StartError> {
-    let durability = store
-        .sql()
-        .durability()
-        .await
-        .map_err(|source| StartError::Store {
-            url: redact(&config.store.database_url),
-            source,
-        })?;
+    let durability = match store.sql().durability().await {
+        Ok(durability) => durability,
+        // A database that will not say (a compatible server without the
+        // views asked): unknown, which only require_synchronous refuses.
+        Err(source) if config.store.require_synchronous => {
+            return Err(StartError::Store {
+                url: redact(&config.store.database_url),
+                source,
+            });
+        }
+        Err(e) => {
+            idemgate_store::sql::Durability::Unconfirmed(format!("the database did not say: {e}"))
+        }
+    };
     if config.store.require_synchronous && !durability.survives_failover() {
         return Err(StartError::NotSynchronous { durability });
     }

@@ -84,6 +84,11 @@ pub(crate) fn postgres(commit: &str, standby_names: &str, sync: i64, all: i64) -
     }
 }
 
+/// A semi-synchronous timeout at least this long (one day) is taken as
+/// "never falls back to asynchronous".
+#[cfg(feature = "mysql")]
+const SEMI_SYNC_NO_FALLBACK_MS: u64 = 86_400_000;
+
 #[cfg(feature = "mysql")]
 /// MySQL and MariaDB, from their status and variables (names in lower
 /// case): a Galera cluster, or semi-synchronous replication.
@@ -114,12 +119,22 @@ pub(crate) fn mysql(get: impl Fn(&str) -> Option<String>) -> Durability {
             .or_else(|| get("rpl_semi_sync_master_wait_point"))
             .unwrap_or_default()
             .to_ascii_uppercase();
-        return if point == "AFTER_SYNC" {
-            Durability::Synchronous(
-                "semi-synchronous replication, AFTER_SYNC: a replica has each commit before it \
-                 returns"
-                    .into(),
-            )
+        // Semi-sync falls back to asynchronous after its timeout (10 s
+        // by default) without a replica's acknowledgement.
+        let timeout_ms: u64 = get("rpl_semi_sync_source_timeout")
+            .or_else(|| get("rpl_semi_sync_master_timeout"))
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0);
+        return if point == "AFTER_SYNC" && timeout_ms >= SEMI_SYNC_NO_FALLBACK_MS {
+            Durability::Synchronous(format!(
+                "semi-synchronous replication, AFTER_SYNC, timeout {timeout_ms} ms: a replica \
+                 has each commit before it returns"
+            ))
+        } else if point == "AFTER_SYNC" {
+            Durability::Asynchronous(format!(
+                "semi-synchronous replication falls back to asynchronous after its timeout \
+                 ({timeout_ms} ms) without a replica"
+            ))
         } else {
             Durability::Asynchronous(format!(
                 "semi-synchronous replication with wait point {point}: a commit is visible before \
@@ -175,8 +190,15 @@ mod tests {
         let lossless: &'static [(&str, &str)] = &[
             ("rpl_semi_sync_master_status", "ON"),
             ("rpl_semi_sync_master_wait_point", "AFTER_SYNC"),
+            ("rpl_semi_sync_master_timeout", "4294967295"),
         ];
         assert!(mysql(vars(lossless)).survives_failover());
+        let falls_back: &'static [(&str, &str)] = &[
+            ("rpl_semi_sync_master_status", "ON"),
+            ("rpl_semi_sync_master_wait_point", "AFTER_SYNC"),
+            ("rpl_semi_sync_master_timeout", "10000"),
+        ];
+        assert_eq!(mysql(vars(falls_back)).name(), "asynchronous");
         let after_commit: &'static [(&str, &str)] = &[
             ("rpl_semi_sync_source_status", "ON"),
             ("rpl_semi_sync_source_wait_point", "AFTER_COMMIT"),

@@ -120,19 +120,29 @@ impl Primary {
                 let mut conn = pool.acquire().await?;
                 takes_writes(&mut conn).await
             };
+            // Moved only on evidence: a server that answers "read-only",
+            // a connection that breaks or hangs, a server that refuses
+            // connections. A busy pool, or a server refusing for load
+            // (too many connections, starting up), is not a move: closing
+            // every connection then would only add a reconnect storm.
             let healthy = match tokio::time::timeout(timeout, check).await {
                 Ok(Ok(writable)) => writable,
                 // No connection in time: the pool is busy, or it keeps
                 // failing to reach its server (sqlx retries a refused
                 // connect until the wait runs out). Ask the server itself.
-                Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => {
+                Ok(Err(sqlx::Error::PoolTimedOut)) => {
                     let options = pool.connect_options();
-                    matches!(
-                        tokio::time::timeout(timeout, probe(&options)).await,
-                        Ok(Ok(true))
-                    )
+                    match tokio::time::timeout(timeout, probe(&options)).await {
+                        Ok(Ok(writable)) => writable,
+                        Ok(Err(e)) => !is_evidence_of_a_move(&e),
+                        Err(_) => true,
+                    }
                 }
-                Ok(Err(_)) => false,
+                // A connection in hand whose query hung past the acquire's
+                // own bound: it (and its siblings) may point at a host
+                // that vanished without a reset.
+                Err(_) => false,
+                Ok(Err(e)) => !is_evidence_of_a_move(&e),
             };
             if healthy {
                 if moved {
@@ -170,6 +180,23 @@ impl Primary {
                 }
             }
         }
+    }
+}
+
+/// Whether an error says the server moved or went away (rather than that
+/// it is busy): a broken or refused connection, a server shutting down or
+/// in recovery, a read-only transaction, or a connection this module
+/// refused for taking no writes.
+fn is_evidence_of_a_move(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Configuration(_) => true,
+        sqlx::Error::Database(db) => matches!(
+            db.code().as_deref(),
+            // read_only_sql_transaction, admin_shutdown, crash_shutdown,
+            // and the connection exceptions.
+            Some("25006" | "57P01" | "57P02" | "08000" | "08003" | "08006" | "08001" | "08004")
+        ),
+        _ => false,
     }
 }
 
