@@ -27,31 +27,23 @@ use std::time::{Duration, Instant};
 use super::batch::Batcher;
 use super::codec::FastEntry;
 use super::fast::FastLayer;
-use super::settle::{Channel, Settlements, Watch};
+use super::settle::{Channel, Settlements};
 use super::sql::{Completion, NewClaim, SqlStore};
-use super::{Claim, Record, RecordKey, StoreError, StoredResponse, now_ms};
+use super::{Claim, Record, RecordKey, StoreError, StoredResponse};
 use idemgate_core::metrics::Metrics;
 
+mod fast_claim;
 mod purging;
 mod repairs;
+mod settling;
 mod writes;
 
+use fast_claim::FastClaim;
 use writes::{LARGE_BODY, LARGE_LANE, Writes, completion_batcher};
 
 /// Where token records live (kept equal to [`idemgate::token::TOKEN_RECORDS`]
 /// by a test; the store does not depend on the token module).
 pub const TOKEN_NAMESPACE: &str = "/token";
-
-/// What the fast-layer half of a claim found.
-enum FastClaim {
-    /// The fast layer answers this request (a replay, or in flight).
-    Answered(Claim),
-    /// This request's in-flight marker is placed: SQL decides.
-    Marked,
-    /// Nothing usable there (another request's value, a failed layer, no
-    /// fast layer): SQL decides.
-    ToSql,
-}
 
 /// What SQL was asked after: this process's purge count then, and when.
 #[derive(Debug, Clone, Copy)]
@@ -255,65 +247,6 @@ impl Store {
         self.agree_with_sql(key, fingerprint, &claim, left, marked, read)
             .await;
         claim
-    }
-
-    /// The fast-layer half of a claim, one atomic round trip: what is
-    /// stored there for this request (a completed answer, an in-flight
-    /// marker), or this request's marker placed.
-    async fn claim_in_fast_layer(&self, key: &RecordKey, fingerprint: &str) -> FastClaim {
-        let Some(fast) = &self.fast else {
-            return FastClaim::ToSql;
-        };
-        let marker = FastEntry::InFlight {
-            key: key.clone(),
-            fingerprint: fingerprint.to_owned(),
-            expires_at_ms: super::after_ms(now_ms(), self.settings.retention),
-        };
-        let found = self
-            .fast(
-                "get_or_mark",
-                fast.get_or_mark(&marker, self.settings.lease),
-            )
-            .await;
-        match found {
-            Some(None) => FastClaim::Marked,
-            Some(Some((entry, _))) if entry.key() == key && entry.fingerprint() == fingerprint => {
-                FastClaim::Answered(match entry {
-                    FastEntry::Completed {
-                        response,
-                        expires_at_ms,
-                        ..
-                    } => Claim::Completed {
-                        response,
-                        expires_at_ms,
-                    },
-                    FastEntry::InFlight { expires_at_ms, .. } => {
-                        // Placed before the layer moved to another server:
-                        // maybe stale, so SQL is asked (see
-                        // `FastLayer::moved_at`).
-                        if fast
-                            .moved_at()
-                            .is_some_and(|at| at.elapsed() < self.settings.lease)
-                        {
-                            return FastClaim::ToSql;
-                        }
-                        Claim::InFlight {
-                            retry_after: self.settings.lease,
-                            expires_at_ms,
-                        }
-                    }
-                })
-            }
-            Some(Some((entry, _))) if entry.key() != key => {
-                // A value that is not ours under our key: never trust it,
-                // let SQL decide, and count it.
-                self.metrics.fallback(fast.layer());
-                tracing::warn!(route = %key.route, key = %key.escaped(), layer = "fast", "foreign fast-layer value ignored");
-                FastClaim::ToSql
-            }
-            // Another fingerprint (SQL answers 422), or the layer failed.
-            Some(Some(_)) | None => FastClaim::ToSql,
-        }
     }
 
     /// After SQL answered a claim: a completed answer is written back for
@@ -558,85 +491,6 @@ impl Store {
             self.settings.lease,
             self.settings.fast_layer_budget,
         );
-    }
-
-    /// Gives the claim up: the request had no effect upstream.
-    pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<bool, StoreError> {
-        let released = self.sql.release(key, epoch).await?;
-        self.after_settling(key, released).await
-    }
-
-    /// The outcome is unknown: nothing is forwarded for `hold` (a copy may
-    /// still run at the upstream), then the next retry may be.
-    pub async fn mark_uncertain(
-        &self,
-        key: &RecordKey,
-        epoch: i64,
-        hold: Duration,
-    ) -> Result<bool, StoreError> {
-        let marked = self.sql.mark_uncertain(key, epoch, hold).await?;
-        self.after_settling(key, marked).await
-    }
-
-    async fn after_settling(
-        &self,
-        key: &RecordKey,
-        settled: Option<bool>,
-    ) -> Result<bool, StoreError> {
-        self.forget(key).await;
-        if settled == Some(true) {
-            self.announce(key).await;
-        }
-        Ok(settled.is_some())
-    }
-
-    /// Tells this process's and every other instance's waiters that `key`
-    /// settled. Best effort: a waiter that misses it polls.
-    async fn announce(&self, key: &RecordKey) {
-        let token = super::settle::token(key);
-        self.settlements.wake(&token);
-        let announced = match self.channel {
-            Channel::Local => Ok(()),
-            Channel::Postgres => self.sql.announce(&token).await.map_err(|e| e.to_string()),
-            Channel::Redis => match &self.fast {
-                Some(fast) => self
-                    .fast("announce", fast.announce(&token))
-                    .await
-                    .ok_or_else(|| "fast layer failed".to_owned()),
-                None => Ok(()),
-            },
-        };
-        if let Err(e) = announced {
-            tracing::debug!(route = %key.route, key = %key.escaped(), error = %e, layer = "settle", "announcing a settled record failed; waiters elsewhere poll");
-        }
-    }
-
-    /// Registers a waiter of `key` in this process (before it claims
-    /// again, so that no announcement falls between).
-    pub fn watch(&self, key: &RecordKey) -> Watch {
-        self.settlements.watch(key)
-    }
-
-    /// Before `watch` waits: makes sure the record's running attempt is
-    /// flagged in SQL, so that settling it is announced. False when the
-    /// record is not in flight any more: claim again at once.
-    pub async fn flag_watched(&self, key: &RecordKey, watch: &Watch) -> Result<bool, StoreError> {
-        if !watch.take_flag() {
-            return Ok(true);
-        }
-        match self.sql.mark_watched(key).await {
-            Ok(true) => Ok(true),
-            Ok(false) => {
-                // Settled already: every waiter here that trusted this
-                // flag must look again too.
-                self.settlements.wake(&super::settle::token(key));
-                Ok(false)
-            }
-            Err(e) => {
-                watch.clear_flag();
-                Err(e)
-            }
-        }
     }
 
     /// Extends the lease of a running claim.
