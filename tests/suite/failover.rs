@@ -76,6 +76,20 @@ async fn until_served(stack: &Stack, tag: &str, within: Duration) -> (Option<Dur
     (None, statuses)
 }
 
+/// Each of the actions `{prefix}0` … ran exactly once, and no two copies
+/// of one key ever ran at once.
+fn each_ran_once(stack: &Stack, prefix: &str, keys: usize) {
+    let stats = stack.upstream.state.stats();
+    for k in 0..keys {
+        let runs: u64 = stats
+            .executions
+            .get(&format!("{prefix}{k}"))
+            .map_or(0, |by_key| by_key.values().sum());
+        assert_eq!(runs, 1, "{prefix}{k} ran {runs} times");
+    }
+    assert!(stats.peak_copies <= 1, "peak copies {}", stats.peak_copies);
+}
+
 /// Every key that was answered 201 ran once; none that got 503 ran.
 fn assert_ran_once_each(stack: &Stack, tag: &str, statuses: &[u16]) {
     let served = statuses.iter().filter(|s| **s == 201).count() as u64;
@@ -380,15 +394,7 @@ async fn a_killed_primary_and_a_promoted_synchronous_standby_lose_no_claim() {
     for client in clients {
         answers.push(client.await.unwrap());
     }
-    let stats = stack.upstream.state.stats();
-    for k in 0..KEYS {
-        let runs: u64 = stats
-            .executions
-            .get(&format!("f{k}"))
-            .map_or(0, |by_key| by_key.values().sum());
-        assert_eq!(runs, 1, "f{k} ran {runs} times");
-    }
-    assert!(stats.peak_copies <= 1, "peak copies {}", stats.peak_copies);
+    each_ran_once(&stack, "f", KEYS);
     // Every answer a client saw is on the new primary: it replays, the
     // same, through either gateway. (An answer reaches its client before
     // its record is written; a write the kill interrupted is written again
@@ -417,14 +423,7 @@ async fn a_killed_primary_and_a_promoted_synchronous_standby_lose_no_claim() {
         }
     }
     // And nothing ran again while the outcomes were being written.
-    let stats = stack.upstream.state.stats();
-    for k in 0..KEYS {
-        let runs: u64 = stats
-            .executions
-            .get(&format!("f{k}"))
-            .map_or(0, |by_key| by_key.values().sum());
-        assert_eq!(runs, 1, "f{k} ran {runs} times");
-    }
+    each_ran_once(&stack, "f", KEYS);
     second.shutdown().await;
     stack.shutdown().await;
 }
@@ -520,14 +519,6 @@ async fn a_sentinel_failover_of_the_fast_layer_lets_no_retry_through() {
         assert_eq!(a.header("idempotent-replayed"), Some("true"));
         assert_eq!(&a.body, body, "s{k}");
     }
-    let stats = stack.upstream.state.stats();
-    for k in 0..KEYS {
-        let runs: u64 = stats
-            .executions
-            .get(&format!("s{k}"))
-            .map_or(0, |by_key| by_key.values().sum());
-        assert_eq!(runs, 1, "s{k} ran {runs} times");
-    }
-    assert!(stats.peak_copies <= 1, "peak copies {}", stats.peak_copies);
+    each_ran_once(&stack, "s", KEYS);
     stack.shutdown().await;
 }

@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::{Claim, Record, RecordKey, StoreError, StoredResponse};
+use crate::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse};
 
 mod dialect;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
@@ -240,7 +240,7 @@ impl SqlStore {
     /// Gives the claim up (nothing happened upstream): whether a duplicate
     /// waits for it, or `None` when `epoch` no longer holds it.
     pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<Option<bool>, StoreError> {
-        on_backend!(self, b => b.release(key, epoch).await)
+        on_backend!(self, b => b.set_state(key, epoch, RecordState::Released, Duration::ZERO, "release").await)
     }
 
     /// Records that the outcome is unknown: nothing is forwarded for
@@ -251,7 +251,7 @@ impl SqlStore {
         epoch: i64,
         hold: Duration,
     ) -> Result<Option<bool>, StoreError> {
-        on_backend!(self, b => b.mark_uncertain(key, epoch, hold).await)
+        on_backend!(self, b => b.set_state(key, epoch, RecordState::Uncertain, hold, "mark_uncertain").await)
     }
 
     /// Says a duplicate waits for `key` while it is in flight; false when

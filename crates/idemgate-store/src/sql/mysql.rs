@@ -258,7 +258,6 @@ impl MysqlSql {
         &self.url
     }
 
-    /// `SELECT 1`, for `/readyz`.
     /// Whether a commit survives a failover (see [`crate::sql::Durability`]):
     /// a Galera cluster, or semi-synchronous replication.
     pub(crate) async fn durability(&self) -> Result<crate::sql::Durability, StoreError> {
@@ -290,6 +289,7 @@ impl MysqlSql {
         }))
     }
 
+    /// `SELECT 1`, for `/readyz`.
     pub(crate) async fn ping(&self) -> Result<(), StoreError> {
         run!(self, "ping", |conn| conn
             .execute("SELECT 1")

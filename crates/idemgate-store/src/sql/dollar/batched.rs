@@ -439,7 +439,15 @@ impl DollarSql {
         for (key, (epoch, _)) in inserted {
             let (sql, key, epoch) = (self.clone(), key.clone(), *epoch);
             tokio::spawn(async move {
-                let released = sql.release(&key, epoch).await;
+                let released = sql
+                    .set_state(
+                        &key,
+                        epoch,
+                        crate::RecordState::Released,
+                        std::time::Duration::ZERO,
+                        "release",
+                    )
+                    .await;
                 tracing::warn!(route = %key.route, key = %key.escaped(), layer = "store", ?released, "claim whose commit outlasted store.timeout; released");
             });
         }

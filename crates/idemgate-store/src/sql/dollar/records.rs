@@ -181,31 +181,10 @@ impl DollarSql {
         .await
     }
 
-    /// Gives the claim up (nothing happened upstream): whether a duplicate
-    /// waits for it, or `None` when `epoch` no longer holds it.
-    pub(crate) async fn release(
-        &self,
-        key: &RecordKey,
-        epoch: i64,
-    ) -> Result<Option<bool>, StoreError> {
-        self.set_state(key, epoch, RecordState::Released, Duration::ZERO, "release")
-            .await
-    }
-
-    /// Records that the outcome is unknown: nothing is forwarded for `hold`
-    /// (a copy may still be running at the upstream), then the next retry
-    /// may take over.
-    pub(crate) async fn mark_uncertain(
-        &self,
-        key: &RecordKey,
-        epoch: i64,
-        hold: Duration,
-    ) -> Result<Option<bool>, StoreError> {
-        self.set_state(key, epoch, RecordState::Uncertain, hold, "mark_uncertain")
-            .await
-    }
-
-    async fn set_state(
+    /// Settles a claim `epoch` still holds as `state` (released, or
+    /// uncertain for `hold`): whether a duplicate waits for it, or `None`
+    /// when `epoch` no longer holds it.
+    pub(crate) async fn set_state(
         &self,
         key: &RecordKey,
         epoch: i64,
