@@ -78,6 +78,7 @@ async fn main() {
     let response = StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), b"application/json".to_vec())],
+        trailers: Vec::new(),
         body: Bytes::from_static(b"{\"order\":\"ok\"}"),
         body_kept: true,
         request_id: "bench".into(),

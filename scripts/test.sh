@@ -21,7 +21,7 @@ IDEMGATE_TEST_HTTP2=1 cargo test --test suite "$@" -- key_routes:: token_routes:
 # Every end-to-end suite that runs on Postgres once more on MariaDB (the
 # MySQL store; tests/suite/support/services.rs, shared_sql).
 IDEMGATE_TEST_SQL=mariadb cargo test --test suite "$@" -- after_answer:: claim_life:: \
-  edges:: faults:: ingress:: key_routes:: library:: operations:: redis_cluster:: \
+  edges:: faults:: grpc:: ingress:: key_routes:: library:: operations:: redis_cluster:: \
   reloads:: store_faults:: consumers::
 # The READMEs' quick starts (the repository's and the library crate's)
 # and every crate's documentation examples.

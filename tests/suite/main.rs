@@ -18,6 +18,7 @@ mod edges;
 mod failover;
 mod faults;
 mod galera;
+mod grpc;
 mod hostile;
 mod ingress;
 mod key_routes;

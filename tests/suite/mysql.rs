@@ -36,6 +36,7 @@ fn answer() -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: Vec::new(),
+        trailers: Vec::new(),
         body: Bytes::from_static(b"{\"paid\":true}"),
         body_kept: true,
         request_id: "r-1".into(),

@@ -17,6 +17,7 @@ fn response() -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![],
+        trailers: Vec::new(),
         body: Bytes::from_static(b"{}"),
         body_kept: true,
         request_id: "rid".into(),

@@ -53,6 +53,7 @@ fn response() -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), b"application/json".to_vec())],
+        trailers: Vec::new(),
         body: Bytes::from_static(b"{\"ok\":true}"),
         body_kept: true,
         request_id: "req-1".into(),

@@ -508,6 +508,7 @@ async fn a_callback_recorded_by_its_body_still_replays() {
     let stored = idemgate_store::StoredResponse {
         status: 200,
         headers: vec![],
+        trailers: Vec::new(),
         body: bytes::Bytes::from_static(b"acked by the old version"),
         body_kept: true,
         request_id: "old".into(),

@@ -137,6 +137,7 @@ fn response(body: &'static str) -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), b"application/json".to_vec())],
+        trailers: Vec::new(),
         body: Bytes::from_static(body.as_bytes()),
         body_kept: true,
         request_id: "req-1".into(),

@@ -171,6 +171,7 @@ async fn poisoned_redis_values_never_override_sql() {
             response: idemgate_store::StoredResponse {
                 status: 200,
                 headers: vec![],
+                trailers: Vec::new(),
                 body: bytes::Bytes::from_static(b"someone else's"),
                 body_kept: true,
                 request_id: "x".into(),
@@ -338,6 +339,7 @@ async fn a_follower_that_cannot_read_the_purge_log_stops_replays_from_memory() {
         response: idemgate_store::StoredResponse {
             status: 201,
             headers: vec![],
+            trailers: Vec::new(),
             body: bytes::Bytes::from_static(b"{}"),
             body_kept: true,
             request_id: "rid".into(),

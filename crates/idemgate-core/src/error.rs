@@ -97,6 +97,7 @@ reasons! {
     RouteNotFound = ("route-not-found", StatusCode::NOT_FOUND, "No route matches this path"),
     SignatureInvalid = ("signature-invalid", StatusCode::UNAUTHORIZED, "The callback's signature could not be verified"),
     StoreUnavailable = ("store-unavailable", StatusCode::SERVICE_UNAVAILABLE, "The idempotency store cannot be reached"),
+    StreamingCall = ("streaming-call", StatusCode::NOT_IMPLEMENTED, "A streaming gRPC call cannot be deduplicated"),
     TokenRateLimited = ("token-rate-limited", StatusCode::TOO_MANY_REQUESTS, "Too many tokens were issued to this client"),
     UnknownTokenRoute = ("unknown-token-route", StatusCode::BAD_REQUEST, "No token route has this name"),
     UpstreamBroken = ("upstream-broken", StatusCode::BAD_GATEWAY, "The upstream connection failed before a complete answer"),

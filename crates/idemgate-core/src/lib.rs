@@ -13,6 +13,8 @@
 //! - [`hop_by_hop`]: connection-specific headers, never forwarded or stored.
 //! - [`forward`]: how a forward failed (never sent, or uncertain), as the
 //!   innermost service tells the layers above.
+//! - [`grpc`]: what a gRPC call looks like on the wire, and the gateway's
+//!   refusals as gRPC statuses.
 //! - [`client_addr`]: the peer a request came from.
 //! - [`handler`]: a route's whole stack behind one object-safe trait.
 //! - [`budget`]: claims in flight, counted per process and per connection.
@@ -30,6 +32,7 @@ pub mod budget;
 pub mod client_addr;
 pub mod error;
 pub mod forward;
+pub mod grpc;
 pub mod handler;
 pub mod hop_by_hop;
 pub mod identity;

@@ -31,6 +31,7 @@ mod matcher;
 pub use cors::CorsPolicy;
 use idemgate::idempotency::Verdict;
 use idemgate_core::error::{Problem, ProblemLog, ProblemReason, Reason};
+use idemgate_core::grpc;
 use idemgate_core::metrics::{Outcome, RouteCounters};
 use idemgate_core::request_id::{self, X_REQUEST_ID};
 use idemgate_core::trace;
@@ -257,6 +258,7 @@ impl Router {
     /// the request's `X-Request-Id` (kept from the client, or a new one).
     pub fn handle(&self, mut req: Request<Body>) -> RouterFuture {
         let request_id = request_id::ensure(req.headers_mut());
+        let grpc = grpc::is_grpc(req.headers());
         let mut origin = None;
         if let Some(cors) = &self.inner.cors {
             if CorsPolicy::is_preflight(&req) {
@@ -266,6 +268,7 @@ impl Router {
                 return RouterFuture {
                     state: State::Answered(Some(response)),
                     cors: None,
+                    grpc: false,
                 };
             }
             origin = Some(cors.allowed_origin(req.headers()));
@@ -287,6 +290,7 @@ impl Router {
                 return RouterFuture {
                     state: State::Answered(Some(response)),
                     cors,
+                    grpc,
                 };
             }
         };
@@ -304,6 +308,7 @@ impl Router {
                 span,
             },
             cors,
+            grpc,
         }
     }
 }
@@ -333,6 +338,9 @@ pub struct RouterFuture {
     /// With `[server.cors]`: the router (its policy) and the request's
     /// origin if listed, for the answer's CORS headers.
     cors: Option<(Router, Option<HeaderValue>)>,
+    /// The request is a gRPC call: the gateway's own refusals are
+    /// answered as gRPC statuses.
+    grpc: bool,
 }
 
 enum State {
@@ -355,6 +363,7 @@ impl Future for RouterFuture {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         // Every field is `Unpin` (the handler's future is boxed).
         let this = self.get_mut();
+        let mut route = None;
         let response = match &mut this.state {
             State::Answered(response) => response.take(),
             State::Routed {
@@ -389,10 +398,14 @@ impl Future for RouterFuture {
                 {
                     response.headers_mut().insert(X_REQUEST_ID, id);
                 }
+                route = Some(name.clone());
                 Some(response)
             }
         };
         let mut response = response.expect("RouterFuture polled after completion");
+        if this.grpc {
+            response = grpc::refusal_as_grpc(response, route.as_deref());
+        }
         if let Some((router, origin)) = this.cors.take()
             && let Some(cors) = &router.inner.cors
         {

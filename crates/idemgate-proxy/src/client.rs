@@ -75,6 +75,7 @@ pub(super) async fn send(
     limit: u64,
 ) -> Result<Response<Body>, SendError> {
     let to_h2_client = request.version == http::Version::HTTP_2;
+    let h1_client_wants_trailers = !to_h2_client && headers::asks_for_trailers(&request.headers);
     let exact = body.size_hint().exact();
     if exact.is_some_and(|len| len > limit) {
         return Err(SendError::BodyTooLarge);
@@ -134,10 +135,16 @@ pub(super) async fn send(
         }
     };
     let (mut parts, incoming) = response.into_parts();
+    let trailers = h1_client_wants_trailers
+        .then(|| headers::trailer_names(&parts.headers))
+        .flatten();
     // Both framings at once: the answer was read as chunked, but a
     // connection whose peer frames ambiguously is not trusted again.
     let ambiguous =
         headers::strip_response_headers(&mut parts.headers).map_err(SendError::Broken)?;
+    if let Some(names) = trailers {
+        parts.headers.insert(header::TRAILER, names);
+    }
     if to_h2_client {
         // Only an HTTP/2 client's connection keeps header values (in its
         // HPACK table); an HTTP/1.1 one writes and drops them.

@@ -56,6 +56,21 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
+/// Whether the client's `TE` lists `trailers` (RFC 9110 §10.1.4).
+pub(super) fn asks_for_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|coding| {
+            coding
+                .split(';')
+                .next()
+                .is_some_and(|name| name.trim().eq_ignore_ascii_case("trailers"))
+        })
+}
+
 /// Turns the client's headers into the upstream's, in place (the map is
 /// the request's own; rebuilding it would cost a copy per header): the
 /// hop-by-hop headers and those `Connection` names go (never the gateway's
@@ -76,6 +91,10 @@ pub(super) fn filter_request_headers(
     upstream_host: Option<HeaderValue>,
 ) {
     let named = connection_named(headers);
+    // `TE: trailers` is the one `TE` HTTP/2 allows (RFC 9113 §8.2.2), and
+    // gRPC servers refuse a call without it; the gateway relays trailers,
+    // so it says so to an HTTP/2 upstream when the client did.
+    let te_trailers = upstream_host.is_none() && asks_for_trailers(headers);
     let dropped = |name: &HeaderName| {
         *name == header::CONTENT_LENGTH
             || *name == header::EXPECT
@@ -109,6 +128,9 @@ pub(super) fn filter_request_headers(
         if let Ok(one) = HeaderValue::from_bytes(&text) {
             cookies.insert(one);
         }
+    }
+    if te_trailers {
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
     }
     let client_host = match upstream_host {
         Some(host) => headers.insert(header::HOST, host),
@@ -298,6 +320,33 @@ pub(super) fn detach_values(headers: &mut HeaderMap) {
 /// One pass over the names (tag comparisons) decides what to do; hashed
 /// removals happen only for headers that are there. Nearly every upstream
 /// sends `Connection: keep-alive`, so this runs on nearly every answer.
+/// The trailer fields an HTTP/1.1 client that asked for trailers is told
+/// to expect (hyper writes only the fields `Trailer` names, RFC 9110
+/// §6.6.2): those the upstream named, and for a gRPC answer the status
+/// fields, which an HTTP/2 upstream has no need to announce. `None` when
+/// there are none.
+pub(super) fn trailer_names(upstream: &HeaderMap) -> Option<HeaderValue> {
+    let mut names: Vec<&str> = upstream
+        .get_all(header::TRAILER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .collect();
+    if idemgate_core::grpc::is_grpc(upstream) {
+        for grpc in ["grpc-status", "grpc-message", "grpc-status-details-bin"] {
+            if !names.iter().any(|n| n.eq_ignore_ascii_case(grpc)) {
+                names.push(grpc);
+            }
+        }
+    }
+    if names.is_empty() {
+        return None;
+    }
+    HeaderValue::from_str(&names.join(", ")).ok()
+}
+
 pub(super) fn strip_response_headers(headers: &mut HeaderMap) -> Result<bool, String> {
     let (mut chunked, mut length, mut hops) = (false, false, 0usize);
     for name in headers.keys() {
@@ -463,13 +512,31 @@ mod tests {
         h.insert(header::CONNECTION, "close, X-Secret-Hop".parse().unwrap());
         h.insert("x-secret-hop", "1".parse().unwrap());
         h.insert("keep-alive", "timeout=5".parse().unwrap());
-        h.insert(header::TE, "trailers".parse().unwrap());
+        h.insert(header::TE, "gzip".parse().unwrap());
         h.insert(header::UPGRADE, "websocket".parse().unwrap());
         h.insert("x-end-to-end", "kept".parse().unwrap());
         assert_eq!(
             render(&request_headers(&h, None, None)),
             "x-end-to-end: kept\r\nx-forwarded-proto: http\r\n"
         );
+    }
+
+    /// gRPC needs `te: trailers` at the service: it reaches an HTTP/2
+    /// upstream (alone, whatever else the client's `TE` listed), never an
+    /// HTTP/1.1 one, and no other `TE` goes anywhere.
+    #[test]
+    fn te_trailers_reaches_an_http2_upstream_only() {
+        let te = |value: &'static str, upstream_host: Option<HeaderValue>| {
+            let mut h = HeaderMap::new();
+            h.insert(header::TE, HeaderValue::from_static(value));
+            filter_request_headers(&mut h, None, None, upstream_host);
+            h.get(header::TE).cloned()
+        };
+        assert_eq!(te("trailers", None).unwrap(), "trailers");
+        assert_eq!(te("gzip, Trailers;q=0.5", None).unwrap(), "trailers");
+        assert_eq!(te("gzip", None), None);
+        let host = || Some(HeaderValue::from_static("upstream:80"));
+        assert_eq!(te("trailers", host()), None);
     }
 
     #[test]

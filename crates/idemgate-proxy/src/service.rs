@@ -235,6 +235,7 @@ impl Proxy {
         // request with neither Content-Length nor Transfer-Encoding has an
         // empty body (RFC 9112 §6.3).
         let (mut parts, body) = req.into_parts();
+        let timeout = call_deadline(&mut parts.headers, self.upstream.timeout);
 
         let started = Instant::now();
         let answer = if trace::enabled() {
@@ -252,7 +253,7 @@ impl Proxy {
             );
             trace::inject(&span, &mut parts.headers);
             let send = client::send(&self.pool, parts, body, limit);
-            let answer = tokio::time::timeout(self.upstream.timeout, send)
+            let answer = tokio::time::timeout(timeout, send)
                 .instrument(span.clone())
                 .await;
             match &answer {
@@ -265,11 +266,7 @@ impl Proxy {
             }
             answer
         } else {
-            tokio::time::timeout(
-                self.upstream.timeout,
-                client::send(&self.pool, parts, body, limit),
-            )
-            .await
+            tokio::time::timeout(timeout, client::send(&self.pool, parts, body, limit)).await
         };
         self.latency.observe(started.elapsed());
         let response = match answer {
@@ -290,6 +287,24 @@ impl Proxy {
             SendError::RequestBody(cause) => ProxyError::BadRequestBody(cause),
             SendError::Broken(cause) => ProxyError::Broken { upstream, cause },
         }
+    }
+}
+
+/// How long the gateway waits for an answer: the upstream's `timeout`, or a
+/// gRPC call's own `grpc-timeout` when that is shorter. A gRPC call
+/// without one, or with a longer one, is sent with the upstream's, so that
+/// the service stops working on the call when the gateway stops waiting
+/// for it (a copy still running after the gateway gave up is what makes a
+/// record uncertain).
+fn call_deadline(headers: &mut http::HeaderMap, upstream: Duration) -> Duration {
+    use idemgate_core::grpc;
+    match grpc::timeout(headers) {
+        Some(asked) if asked <= upstream => asked,
+        _ if grpc::is_grpc(headers) => {
+            headers.insert(grpc::GRPC_TIMEOUT, grpc::timeout_value(upstream));
+            upstream
+        }
+        _ => upstream,
     }
 }
 

@@ -66,20 +66,31 @@ impl FastEntry {
     }
 }
 
-/// Encodes headers as `u16 name length, name, u32 value length, value`.
-pub fn encode_headers(headers: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(headers.len() * 32);
-    put_headers(&mut out, headers);
+/// The name prefix a trailer field is stored under, among the headers: no
+/// HTTP field name can hold a `:`, so a gateway that does not know it
+/// (an older one, reading the same store) skips such fields on replay
+/// instead of misreading them, and the stored format stays one list.
+const TRAILER_PREFIX: &str = "trailer:";
+
+/// Encodes an answer's header and trailer fields as one list: a `u32`
+/// count, then each as `u32 name length, name, u32 value length, value`
+/// (trailers under [`TRAILER_PREFIX`]).
+pub fn encode_fields(response: &StoredResponse) -> Vec<u8> {
+    let mut out = Vec::with_capacity((response.headers.len() + response.trailers.len()) * 32);
+    put_fields(&mut out, &response.headers, &response.trailers);
     out
 }
 
-/// Decodes [`encode_headers`].
-pub fn decode_headers(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>, String> {
+/// Decodes [`encode_fields`]: the headers and the trailers.
+pub fn decode_fields(bytes: &[u8]) -> Result<(Fields, Fields), String> {
     let mut r = Reader(bytes);
-    let headers = r.headers()?;
+    let fields = r.fields()?;
     r.end()?;
-    Ok(headers)
+    Ok(fields)
 }
+
+/// Header or trailer fields, in order: name, value.
+pub type Fields = Vec<(String, Vec<u8>)>;
 
 /// Encodes a fast-layer entry.
 pub fn encode_entry(entry: &FastEntry) -> Vec<u8> {
@@ -102,7 +113,7 @@ pub fn encode_entry(entry: &FastEntry) -> Vec<u8> {
         out.extend_from_slice(&response.status.to_be_bytes());
         out.push(u8::from(response.body_kept));
         put(&mut out, response.request_id.as_bytes());
-        put_headers(&mut out, &response.headers);
+        put_fields(&mut out, &response.headers, &response.trailers);
         put(&mut out, &response.body);
     }
     out
@@ -132,7 +143,7 @@ pub fn decode_entry(bytes: &[u8]) -> Result<FastEntry, String> {
             let status = u16::from_be_bytes(r.take(2)?.try_into().map_err(|_| "status")?);
             let body_kept = r.take(1)?[0] == 1;
             let request_id = r.string()?;
-            let headers = r.headers()?;
+            let (headers, trailers) = r.fields()?;
             let body = Bytes::copy_from_slice(r.field()?);
             FastEntry::Completed {
                 key,
@@ -140,6 +151,7 @@ pub fn decode_entry(bytes: &[u8]) -> Result<FastEntry, String> {
                 response: StoredResponse {
                     status,
                     headers,
+                    trailers,
                     body,
                     body_kept,
                     request_id,
@@ -158,10 +170,15 @@ fn put(out: &mut Vec<u8>, field: &[u8]) {
     out.extend_from_slice(field);
 }
 
-fn put_headers(out: &mut Vec<u8>, headers: &[(String, Vec<u8>)]) {
-    out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+fn put_fields(out: &mut Vec<u8>, headers: &[(String, Vec<u8>)], trailers: &[(String, Vec<u8>)]) {
+    out.extend_from_slice(&((headers.len() + trailers.len()) as u32).to_be_bytes());
     for (name, value) in headers {
         put(out, name.as_bytes());
+        put(out, value);
+    }
+    for (name, value) in trailers {
+        let prefixed = [TRAILER_PREFIX.as_bytes(), name.as_bytes()].concat();
+        put(out, &prefixed);
         put(out, value);
     }
 }
@@ -192,13 +209,19 @@ impl<'a> Reader<'a> {
         String::from_utf8(self.field()?.to_vec()).map_err(|_| "not UTF-8".into())
     }
 
-    fn headers(&mut self) -> Result<Vec<(String, Vec<u8>)>, String> {
+    fn fields(&mut self) -> Result<(Fields, Fields), String> {
         let count = self.u32()?;
         let mut headers = Vec::with_capacity(count.min(256));
+        let mut trailers = Vec::new();
         for _ in 0..count {
-            headers.push((self.string()?, self.field()?.to_vec()));
+            let name = self.string()?;
+            let value = self.field()?.to_vec();
+            match name.strip_prefix(TRAILER_PREFIX) {
+                Some(trailer) => trailers.push((trailer.to_owned(), value)),
+                None => headers.push((name, value)),
+            }
         }
-        Ok(headers)
+        Ok((headers, trailers))
     }
 
     fn end(&self) -> Result<(), String> {
@@ -223,6 +246,7 @@ mod tests {
             response: StoredResponse {
                 status: 201,
                 headers: vec![("x-a".into(), vec![0xff, 0])],
+                trailers: vec![("grpc-status".into(), b"0".to_vec())],
                 body: Bytes::from_static(b"{}"),
                 body_kept: true,
                 request_id: "rid".into(),

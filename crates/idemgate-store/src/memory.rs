@@ -462,6 +462,7 @@ mod tests {
             response: StoredResponse {
                 status: 200,
                 headers: vec![],
+                trailers: Vec::new(),
                 body: bytes::Bytes::from(vec![b'x'; body]),
                 body_kept: true,
                 request_id: "rid".into(),

@@ -212,6 +212,7 @@ mod tests {
             response: StoredResponse {
                 status: 201,
                 headers: vec![],
+                trailers: Vec::new(),
                 body: bytes::Bytes::from_static(b"{}"),
                 body_kept: true,
                 request_id: "rid".into(),

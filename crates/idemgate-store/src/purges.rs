@@ -118,6 +118,7 @@ mod tests {
         let response = crate::StoredResponse {
             status: 201,
             headers: Vec::new(),
+            trailers: Vec::new(),
             body: bytes::Bytes::new(),
             body_kept: true,
             request_id: "rid".into(),

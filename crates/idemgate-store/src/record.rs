@@ -89,6 +89,9 @@ pub struct StoredResponse {
     pub status: u16,
     /// End-to-end headers, in order (no hop-by-hop, no `Set-Cookie`).
     pub headers: Vec<(String, Vec<u8>)>,
+    /// Trailer fields, in order: a gRPC answer's status (`grpc-status`,
+    /// `grpc-message`) and trailing metadata. Empty for most HTTP answers.
+    pub trailers: Vec<(String, Vec<u8>)>,
     /// The body (empty when not kept).
     pub body: Bytes,
     /// False when the body was over `store.max_stored_body_bytes`: the

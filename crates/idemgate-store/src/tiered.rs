@@ -768,6 +768,7 @@ mod tests {
         let response = StoredResponse {
             status: 201,
             headers: Vec::new(),
+            trailers: Vec::new(),
             body: bytes::Bytes::from_static(b"{}"),
             body_kept: true,
             request_id: "rid".into(),

@@ -5,7 +5,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use sqlx::Row;
 
-use super::super::codec::decode_headers;
+use super::super::codec::decode_fields;
 use super::super::{Claim, Record, RecordKey, RecordState, StoreError, StoredResponse};
 
 /// What a claim answers when the record exists and could not be taken
@@ -113,15 +113,17 @@ impl RawRecord {
     /// retention).
     pub(super) fn into_record(self, tombstone: Duration) -> Result<Record, StoreError> {
         let state = RecordState::parse(&self.state)?;
+        // A tombstone's answer was dropped by the sweeper.
+        let (headers, trailers) = match self.headers.as_deref() {
+            Some(bytes) => decode_fields(bytes).map_err(StoreError::Corrupt)?,
+            None => Default::default(),
+        };
         let response = match (state, self.status) {
             (RecordState::Completed, Some(status)) => Some(StoredResponse {
                 status: u16::try_from(status)
                     .map_err(|_| StoreError::Corrupt(format!("status {status}")))?,
-                // A tombstone's answer was dropped by the sweeper.
-                headers: match self.headers.as_deref() {
-                    Some(bytes) => decode_headers(bytes).map_err(StoreError::Corrupt)?,
-                    None => Vec::new(),
-                },
+                headers,
+                trailers,
                 body: Bytes::from(self.body.unwrap_or_default()),
                 body_kept: self.body_kept,
                 request_id: self.request_id.clone(),

@@ -218,8 +218,8 @@ impl Drop for AnswerShare {
 
 /// A response body as captured for storage.
 pub(crate) enum Captured {
-    /// The whole body, within the cap.
-    Whole(Bytes),
+    /// The whole body, within the cap, and its trailers if it had any.
+    Whole(Bytes, Option<http::HeaderMap>),
     /// Over the cap: what was read, and the rest still to stream.
     TooLarge(Bytes, Body),
     /// The upstream connection broke mid-body.
@@ -246,22 +246,28 @@ pub(crate) async fn capture(
         }
         None => BytesMut::new(),
     };
+    let mut trailers = None;
     loop {
         match body.frame().await {
             None => {
                 if buffer.capacity() > buffer.len() + buffer.len() / 4 + 64 {
                     // Grown past its length: keep an exact copy instead.
-                    return Captured::Whole(Bytes::copy_from_slice(&buffer));
+                    return Captured::Whole(Bytes::copy_from_slice(&buffer), trailers);
                 }
-                return Captured::Whole(buffer.freeze());
+                return Captured::Whole(buffer.freeze(), trailers);
             }
             Some(Err(e)) => {
                 share.shrink();
                 return Captured::Broken(e.to_string());
             }
             Some(Ok(frame)) => {
-                let Ok(data) = frame.into_data() else {
-                    continue; // trailers are not stored
+                let data = match frame.into_data() {
+                    Ok(data) => data,
+                    Err(frame) => {
+                        // A gRPC answer's status travels here.
+                        trailers = frame.into_trailers().ok();
+                        continue;
+                    }
                 };
                 let total = buffer.len() + data.len();
                 if total > cap {
@@ -293,7 +299,7 @@ mod tests {
     /// The length of an answer kept whole.
     fn kept(captured: Captured) -> usize {
         match captured {
-            Captured::Whole(bytes) => bytes.len(),
+            Captured::Whole(bytes, _) => bytes.len(),
             _ => panic!("not kept whole"),
         }
     }

@@ -149,8 +149,35 @@ pub fn key_fingerprint<'a>(
     format!("k1:{}", hex::encode(hash.finalize()))
 }
 
-/// `prefix` followed by the rest of `body`, streamed.
+/// `prefix` followed by the rest of `body`, streamed, its trailers
+/// included (a gRPC answer's status travels in them).
 pub fn chain(prefix: Bytes, body: Body) -> Body {
-    let head = futures_util::stream::once(async move { Ok::<_, axum::Error>(prefix) });
-    Body::from_stream(head.chain(body.into_data_stream()))
+    Body::new(Chained {
+        prefix: Some(prefix).filter(|p| !p.is_empty()),
+        rest: body,
+    })
+}
+
+struct Chained {
+    prefix: Option<Bytes>,
+    rest: Body,
+}
+
+impl http_body::Body for Chained {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        if let Some(prefix) = self.prefix.take() {
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(prefix))));
+        }
+        std::pin::Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.rest.is_end_stream()
+    }
 }

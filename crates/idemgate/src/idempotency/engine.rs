@@ -257,6 +257,16 @@ impl Engine {
             }
             Err(_) => return self.refusal::<P>(IdempotencyError::BodyTimeout(deadline), None),
         };
+        // A unary gRPC call is one message; more is a stream, whose answer
+        // depends on how the messages interleave and cannot be replayed.
+        if idemgate_core::grpc::is_grpc(&parts.headers)
+            && let Some(messages @ 2..) = idemgate_core::grpc::message_count(&bytes)
+        {
+            let problem = Problem::from(&IdempotencyError::StreamingCall(messages));
+            return problem
+                .logged(P::LAYER, format!("a gRPC call with {messages} messages"))
+                .into_response();
+        }
         let (key, replay_only) = match head {
             Keyed::Key(key) => (key, None),
             Keyed::ReplayOnly(key, refusal) => (key, Some(refusal)),

@@ -31,8 +31,10 @@ use super::ForwardFailure;
 use super::answer::{AnswerShare, CAPTURE_WAIT, Captured, capture};
 use super::body::chain;
 use super::expires::set_expires;
+use super::outcome::GrpcMeaning;
 use super::verdict::Verdict;
 use idemgate_core::error::{Problem, Reason};
+use idemgate_core::grpc;
 use idemgate_core::trace;
 use idemgate_store::{RecordKey, RecordState, Store, StoreError, StoredResponse};
 use tracing::Instrument;
@@ -491,6 +493,7 @@ impl<L: Ledger> Holder<L> {
         S::Future: Send,
     {
         let hold = self.uncertain_hold;
+        let grpc_call = grpc::is_grpc(request.headers());
         // An in-process handler (the library's use) that panics may have
         // acted before it did: the outcome is uncertain, never a lost claim.
         let forwarded = std::panic::AssertUnwindSafe(super::outcome::forward_plain(inner, request));
@@ -524,7 +527,19 @@ impl<L: Ledger> Holder<L> {
             );
             return (Write::Uncertain { hold }, response);
         }
-        if !super::outcome::is_stored(response.status()) {
+        // A gRPC call's outcome is its `grpc-status` (the HTTP status is
+        // 200 either way): in the headers of a trailers-only answer, else
+        // in the trailers after the messages.
+        let grpc_answer = grpc_call && response.status() == http::StatusCode::OK;
+        let status_in_head = grpc_answer
+            .then(|| grpc::status(response.headers()))
+            .flatten();
+        if let Some(code) = status_in_head
+            && let Some(write) = self.grpc_unstored(Some(code))
+        {
+            return (write, response);
+        }
+        if !grpc_answer && !super::outcome::is_stored(response.status()) {
             return (Write::Release, response);
         }
         let (parts, body) = response.into_parts();
@@ -538,9 +553,26 @@ impl<L: Ledger> Holder<L> {
             false => now + CAPTURE_WAIT.min(give_up.saturating_duration_since(now) / 2),
         };
         let cap = self.max_stored_body_bytes;
-        let (kept, client_body) = match capture(body, cap, &mut self.share, until).await {
-            Captured::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
-            Captured::TooLarge(prefix, rest) => (None, chain(prefix, rest)),
+        let (kept, trailers, client_body) = match capture(body, cap, &mut self.share, until).await {
+            Captured::Whole(bytes, trailers) => {
+                let stored = super::outcome::storable_trailers(trailers.as_ref());
+                if grpc_answer && status_in_head.is_none() {
+                    let code = trailers.as_ref().and_then(grpc::status);
+                    if let Some(write) = self.grpc_unstored(code) {
+                        self.share.shrink();
+                        let body = super::outcome::body_with_trailers(bytes, trailers);
+                        return (write, Response::from_parts(parts, body));
+                    }
+                }
+                let body = super::outcome::body_with_trailers(bytes.clone(), trailers);
+                (Some(bytes), stored, body)
+            }
+            // The status of a gRPC answer over the cap passes by unread:
+            // the call ran once, and its replay says so.
+            Captured::TooLarge(prefix, rest) if grpc_answer => {
+                (None, omitted_grpc_answer(), chain(prefix, rest))
+            }
+            Captured::TooLarge(prefix, rest) => (None, Vec::new(), chain(prefix, rest)),
             Captured::Broken(cause) => {
                 // The upstream answered the head, then broke: it executed,
                 // but the outcome never arrived whole.
@@ -552,6 +584,7 @@ impl<L: Ledger> Holder<L> {
         let stored = StoredResponse {
             status: parts.status.as_u16(),
             headers: super::outcome::storable_headers(&parts.headers, kept.is_some()),
+            trailers,
             body_kept: kept.is_some(),
             body: kept.unwrap_or_default(),
             request_id: self.request_id.clone(),
@@ -561,6 +594,42 @@ impl<L: Ledger> Holder<L> {
             Response::from_parts(parts, client_body),
         )
     }
+}
+
+impl<L> Holder<L> {
+    /// What a gRPC call's status `code` means when its answer is not to be
+    /// stored: `None` to store it. No status at all is uncertain: the
+    /// answer ended before saying how the call ended.
+    fn grpc_unstored(&self, code: Option<u32>) -> Option<Write> {
+        match code.map(super::outcome::grpc_meaning) {
+            Some(GrpcMeaning::Stored) => None,
+            Some(GrpcMeaning::Released) => Some(Write::Release),
+            None | Some(GrpcMeaning::Uncertain) => {
+                tracing::warn!(
+                    route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
+                    grpc_status = ?code, hold = ?self.uncertain_hold,
+                    "the gRPC call ended with a status that may mean it ran; the record is uncertain"
+                );
+                Some(Write::Uncertain {
+                    hold: self.uncertain_hold,
+                })
+            }
+        }
+    }
+}
+
+/// The trailers a gRPC answer over `store.max_stored_body_bytes` is
+/// replayed with: its own status was not kept, so the replay says that
+/// the call ran once and what became of its answer (`UNKNOWN`: a generic
+/// retry policy does not retry it).
+fn omitted_grpc_answer() -> Vec<(String, Vec<u8>)> {
+    vec![
+        ("grpc-status".to_owned(), b"2".to_vec()),
+        (
+            "grpc-message".to_owned(),
+            b"the call ran once; its answer was larger than store.max_stored_body_bytes and was not kept".to_vec(),
+        ),
+    ]
 }
 
 /// The answer to a request whose in-process handler stopped without an

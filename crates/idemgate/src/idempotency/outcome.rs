@@ -4,7 +4,8 @@
 use std::convert::Infallible;
 
 use axum::body::Body;
-use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use idemgate_core::hop_by_hop::is_hop_by_hop;
 use idemgate_core::request_id::X_REQUEST_ID;
 use idemgate_store::StoredResponse;
@@ -33,6 +34,53 @@ where
 pub fn is_stored(status: StatusCode) -> bool {
     let code = status.as_u16();
     (200..500).contains(&code) && !matches!(code, 408 | 409 | 425 | 429)
+}
+
+/// What a gRPC call's `grpc-status` means for its record, decided as
+/// HTTP statuses are (the table is in `docs/grpc.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrpcMeaning {
+    /// The method answered, or refused for good: recorded and replayed.
+    Stored,
+    /// Refused before acting (`RESOURCE_EXHAUSTED`, `ABORTED`,
+    /// `UNAVAILABLE`, as `429`, `409` and `503`): the retry runs.
+    Released,
+    /// May have run (`UNKNOWN`, `INTERNAL`, `DEADLINE_EXCEEDED`,
+    /// `CANCELLED`, `DATA_LOSS`, any code gRPC does not define): the record
+    /// is uncertain, as after a lost connection (rule 11).
+    Uncertain,
+}
+
+/// See [`GrpcMeaning`].
+pub fn grpc_meaning(code: u32) -> GrpcMeaning {
+    match code {
+        // OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,
+        // PERMISSION_DENIED, FAILED_PRECONDITION, OUT_OF_RANGE,
+        // UNIMPLEMENTED, UNAUTHENTICATED
+        0 | 3 | 5 | 6 | 7 | 9 | 11 | 12 | 16 => GrpcMeaning::Stored,
+        8 | 10 | 14 => GrpcMeaning::Released,
+        _ => GrpcMeaning::Uncertain,
+    }
+}
+
+/// A whole answer body, with its trailers when it had any.
+pub(crate) fn body_with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Body {
+    use http_body_util::BodyExt;
+    match trailers {
+        None => Body::from(bytes),
+        Some(trailers) => Body::new(
+            http_body_util::Full::new(bytes).with_trailers(std::future::ready(Some(Ok(trailers)))),
+        ),
+    }
+}
+
+/// Trailer fields as stored.
+pub(crate) fn storable_trailers(trailers: Option<&HeaderMap>) -> Vec<(String, Vec<u8>)> {
+    trailers.map_or_else(Vec::new, |t| {
+        t.iter()
+            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+            .collect()
+    })
 }
 
 /// What a route's upstream answers with when the action may have run but
@@ -120,7 +168,19 @@ pub(crate) fn storable_headers(
 
 /// The stored outcome as a response, with the record's expiry.
 pub fn replay(stored: StoredResponse, expires_at_ms: i64) -> Response<Body> {
-    let mut response = Response::new(Body::from(stored.body));
+    let trailers = (!stored.trailers.is_empty()).then(|| {
+        let mut map = HeaderMap::with_capacity(stored.trailers.len());
+        for (name, value) in &stored.trailers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_bytes(value),
+            ) {
+                map.append(name, value);
+            }
+        }
+        map
+    });
+    let mut response = Response::new(body_with_trailers(stored.body, trailers));
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     let headers = response.headers_mut();
     for (name, value) in stored.headers {

@@ -57,14 +57,20 @@ pub(crate) async fn stored_answer(
     let captured = tokio::time::timeout(deadline, capture(body, cap, share, until))
         .await
         .map_err(|_| "the status endpoint's body did not arrive in time".to_owned())?;
-    let body = match captured {
-        Captured::Whole(bytes) => Some(bytes),
-        Captured::TooLarge(..) => None,
+    // A gRPC route's status endpoint may answer as its method would, its
+    // status in trailers: they are kept for the replay.
+    let (body, trailers) = match captured {
+        Captured::Whole(bytes, trailers) => (
+            Some(bytes),
+            super::outcome::storable_trailers(trailers.as_ref()),
+        ),
+        Captured::TooLarge(..) => (None, Vec::new()),
         Captured::Broken(cause) => return Err(cause),
     };
     Ok(StoredResponse {
         status: parts.status.as_u16(),
         headers: super::outcome::storable_headers(&parts.headers, body.is_some()),
+        trailers,
         body_kept: body.is_some(),
         body: body.unwrap_or_default(),
         request_id: request_id.to_owned(),

@@ -10,7 +10,7 @@ use sqlx::Row;
 #[cfg(feature = "sqlite")]
 use super::statements::{SQLITE_ROWS, sqlite_claim_rows, sqlite_complete_rows};
 use super::{DollarSql, Pool};
-use crate::codec::encode_headers;
+use crate::codec::encode_fields;
 use crate::held::HeldConnection;
 use crate::record::millis;
 use crate::sql::{Completion, NewClaim, left};
@@ -342,7 +342,7 @@ impl PgColumns {
         self.key.push(c.key.key.clone());
         self.epoch.push(c.epoch);
         self.status.push(i32::from(c.response.status));
-        self.headers.push(encode_headers(&c.response.headers));
+        self.headers.push(encode_fields(&c.response));
         self.body.push(c.response.body.to_vec());
         self.body_kept.push(c.response.body_kept);
         self.request_id.push(c.response.request_id.clone());
@@ -584,7 +584,7 @@ fn encoded<'a>(batch: impl Iterator<Item = &'a Completion>) -> Vec<Encoded<'a>> 
             key: &c.key,
             epoch: c.epoch,
             response: &c.response,
-            headers: encode_headers(&c.response.headers),
+            headers: encode_fields(&c.response),
         })
         .collect()
 }
@@ -628,6 +628,7 @@ mod tests {
                 let mut response = StoredResponse {
                     status: 201,
                     headers: vec![("content-type".into(), b"text/plain".to_vec())],
+                    trailers: Vec::new(),
                     body: bytes::Bytes::from(c.key.key.clone()),
                     body_kept: true,
                     request_id: "rid".into(),
@@ -673,6 +674,7 @@ mod tests {
                 response: StoredResponse {
                     status: 201,
                     headers: Vec::new(),
+                    trailers: Vec::new(),
                     body: bytes::Bytes::from(c.key.key.clone()),
                     body_kept: true,
                     request_id: "rid".into(),

@@ -10,7 +10,7 @@ use sqlx::Row;
 #[cfg(feature = "postgres")]
 use super::partitions;
 use super::{DollarSql, Pool};
-use crate::codec::encode_headers;
+use crate::codec::encode_fields;
 use crate::record::millis;
 use crate::sql::rows::{RawRecord, answer_for};
 use crate::sql::{NewClaim, Purged, left};
@@ -165,7 +165,7 @@ impl DollarSql {
         epoch: i64,
         response: &StoredResponse,
     ) -> Result<Option<(Duration, bool)>, StoreError> {
-        let headers = encode_headers(&response.headers);
+        let headers = encode_fields(response);
         let status = i32::from(response.status);
         self.bounded(op, async {
             with_pool!(self, pool => {

@@ -19,7 +19,7 @@ use sqlx::mysql::MySqlConnection;
 use super::records::{Query, bind_key};
 use super::statements::{self as s, ROWS};
 use super::{MysqlSql, claim_token};
-use crate::codec::encode_headers;
+use crate::codec::encode_fields;
 use crate::held::HeldConnection;
 use crate::record::millis;
 use crate::sql::{Completion, NewClaim, left};
@@ -90,7 +90,7 @@ impl MysqlSql {
         sorted.sort_by(|a, b| key_order(&a.key, &b.key));
         let encoded: Vec<(&Completion, Vec<u8>)> = sorted
             .into_iter()
-            .map(|c| (c, encode_headers(&c.response.headers)))
+            .map(|c| (c, encode_fields(&c.response)))
             .collect();
         let done = run!(self, "complete", |conn| {
             let mut done = HashMap::new();

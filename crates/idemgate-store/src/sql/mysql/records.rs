@@ -10,7 +10,7 @@ use sqlx::{Connection, Row};
 
 use super::statements as s;
 use super::{MysqlSql, claim_token};
-use crate::codec::encode_headers;
+use crate::codec::encode_fields;
 use crate::record::millis;
 use crate::sql::rows::{RawRecord, answer_for};
 use crate::sql::{NewClaim, Purged, left};
@@ -172,7 +172,7 @@ impl MysqlSql {
         epoch: i64,
         response: &StoredResponse,
     ) -> Result<Option<(Duration, bool)>, StoreError> {
-        let headers = encode_headers(&response.headers);
+        let headers = encode_fields(response);
         let status = i32::from(response.status);
         run!(self, "complete", |conn| {
             let query = sqlx::query(statement)

@@ -31,6 +31,10 @@ pub enum IdempotencyError {
     /// `408`: the body did not arrive within the deadline.
     #[error("request body not received within {0:?}")]
     BodyTimeout(Duration),
+    /// `501`: a gRPC call that sent more than one message (client or
+    /// bidirectional streaming): a stream cannot be replayed.
+    #[error("a streaming gRPC call ({0} messages) on a protected route")]
+    StreamingCall(usize),
     /// `422`: the key was used for a different request.
     #[error("key reused for a different request")]
     Mismatch,
@@ -161,6 +165,8 @@ impl From<&IdempotencyError> for idemgate_core::error::Problem {
                 "the whole body must arrive within {}s; nothing was forwarded or stored",
                 after.as_secs()
             )),
+            E::StreamingCall(_) => idemgate_core::error::Problem::new(Reason::StreamingCall)
+            .detail("only unary calls can be deduplicated; nothing was claimed or forwarded"),
             E::Mismatch => idemgate_core::error::Problem::new(Reason::IdempotencyKeyReused)
             .detail("use a new key for a new request; a retry must repeat the same method, path, query and body"),
             E::InFlight { retry_after } => idemgate_core::error::Problem::new(Reason::RequestInFlight)
