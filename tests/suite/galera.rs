@@ -273,3 +273,112 @@ async fn a_galera_node_cut_from_its_quorum_answers_503_and_forwards_nothing() {
     assert_eq!(support::executions(&stack, "cut"), 1);
     stack.shutdown().await;
 }
+
+/// A gateway whose URL names every node follows the cluster by itself, no
+/// front needed: when its node loses its quorum, and (once that node is
+/// back) when the node it moved to is killed under a storm of duplicates,
+/// it answers `503` meanwhile
+/// (nothing forwarded unclaimed) and serves through the next node that
+/// takes writes within seconds. No key runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_naming_every_node_follows_the_cluster_past_a_cut_and_a_kill() {
+    let Some(mut cluster) = Galera::start("a_url_naming_every_node_follows").await else {
+        return;
+    };
+    let stack = Stack::start_with(KEY_ROUTES, |c| {
+        c.store.database_url = cluster.url_naming(&[2, 0, 1]);
+        c.store.timeout = "2s".into();
+        c.store.lease = "6s".into();
+        c.server.max_connections = 1000;
+    })
+    .await;
+    let tries = std::sync::atomic::AtomicUsize::new(0);
+    // Fresh keys until one runs; every other answer must be a refusal that
+    // forwarded nothing.
+    let serves = || async {
+        let key = format!(
+            "fresh-{}",
+            tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let url = stack.url(&format!("/actions/{key}"));
+        let a = stack
+            .http
+            .send("POST", &url, &[("idempotency-key", &key)], "{}")
+            .await;
+        match a.status.as_u16() {
+            201 => true,
+            503 => {
+                assert_eq!(a.problem_type(), STORE_UNAVAILABLE);
+                false
+            }
+            other => panic!("{other} {:?}", String::from_utf8_lossy(&a.body)),
+        }
+    };
+    assert!(serves().await);
+
+    cluster.isolate(2, true).await;
+    let cut = support::eventually(Duration::from_secs(30), || async {
+        cluster.status(2, "wsrep_cluster_status").await.as_deref() == Some("non-Primary")
+    })
+    .await;
+    assert!(cut, "the isolated node kept its quorum");
+    let started = std::time::Instant::now();
+    assert!(
+        support::eventually(Duration::from_secs(15), serves).await,
+        "the gateway stayed on the node without quorum"
+    );
+    eprintln!(
+        "served through another node {:?} after the cut",
+        started.elapsed()
+    );
+
+    // The cut node rejoins (two nodes of three must stay for a quorum);
+    // then the node the gateway moved to dies under a storm of
+    // duplicates.
+    cluster.isolate(2, false).await;
+    assert!(
+        cluster.wait_synced(2, Duration::from_secs(60)).await,
+        "the node did not rejoin"
+    );
+    let http = stack.http.clone();
+    let base = stack.url("/actions/");
+    const KEYS: usize = 50;
+    let storm = tokio::spawn(async move {
+        let tasks = (0..200).map(|i| {
+            let (http, base) = (http.clone(), base.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(7 * i as u64)).await;
+                let key = format!("key-{}", i % KEYS);
+                http.send(
+                    "POST",
+                    &format!("{base}g{}", i % KEYS),
+                    &[("idempotency-key", &key), ("x-demo-delay-ms", "200")],
+                    "{}",
+                )
+                .await
+            })
+        });
+        futures_util::future::join_all(tasks).await
+    });
+    support::reached(&stack.upstream, 5).await;
+    cluster.kill(0);
+    let killed = std::time::Instant::now();
+    for answer in storm.await.unwrap() {
+        let a = answer.expect("request task panicked");
+        match a.status.as_u16() {
+            200 | 201 | 409 => {}
+            503 => assert_eq!(a.problem_type(), STORE_UNAVAILABLE),
+            other => panic!("{other} {:?}", String::from_utf8_lossy(&a.body)),
+        }
+    }
+    assert!(
+        support::eventually(Duration::from_secs(15), serves).await,
+        "the gateway never served through the last node"
+    );
+    eprintln!(
+        "served through the last node {:?} after the kill",
+        killed.elapsed()
+    );
+    assert_at_most_once(&stack, KEYS);
+    stack.shutdown().await;
+}

@@ -33,7 +33,7 @@
 //!   writes, the delivery log, the purge log, sweeping, the scope
 //!   registry) over one seam for the databases (`sql/dialect.rs`, one
 //!   module per database), and whether a commit survives a failover
-//!   (`sql/durability.rs`). `pg_hosts.rs`: the hosts of a Postgres URL,
+//!   (`sql/durability.rs`). `url_hosts.rs`: the hosts of a database URL,
 //!   for following its primary.
 //! - [`fast`], [`memory`], `redis`, `near` (feature `redis`), [`codec`]: the fast layers
 //!   and what they store.
@@ -63,8 +63,6 @@ mod migrations;
 #[cfg(feature = "redis")]
 pub mod near;
 mod open;
-#[cfg(feature = "postgres")]
-mod pg_hosts;
 pub mod purges;
 mod record;
 #[cfg(feature = "redis")]
@@ -73,6 +71,8 @@ pub mod redis;
 mod redis_url;
 pub mod settle;
 pub mod sql;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod url_hosts;
 
 pub mod sweep;
 pub mod tiered;

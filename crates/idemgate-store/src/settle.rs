@@ -237,7 +237,7 @@ async fn listen_postgres(_: Weak<Settlements>, _: String) {}
 async fn listen_postgres(weak: Weak<Settlements>, url: String) {
     // A URL naming several hosts: each in turn until one takes `LISTEN`
     // (a standby refuses it), and the next after a failure.
-    let urls = crate::pg_hosts::each_host_url(&url);
+    let urls = crate::url_hosts::each_host_url(&url);
     let mut failures = 0u32;
     loop {
         let url = &urls[failures as usize % urls.len()];

@@ -27,6 +27,8 @@ mod dollar;
 mod durability;
 #[cfg(feature = "mysql")]
 mod mysql;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod primary;
 mod rows;
 
 pub use dialect::Dialect;

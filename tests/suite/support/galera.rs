@@ -185,6 +185,16 @@ impl Galera {
         format!("mysql://root@127.0.0.1:{}/test", self.nodes[i].port)
     }
 
+    /// One URL naming nodes `order`, in that order
+    /// (`mysql://root@127.0.0.1:p2,127.0.0.1:p0/test`).
+    pub fn url_naming(&self, order: &[usize]) -> String {
+        let hosts: Vec<String> = order
+            .iter()
+            .map(|&i| format!("127.0.0.1:{}", self.nodes[i].port))
+            .collect();
+        format!("mysql://root@{}/test", hosts.join(","))
+    }
+
     pub fn addr(&self, i: usize) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.nodes[i].port))
     }

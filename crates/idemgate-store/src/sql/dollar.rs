@@ -50,8 +50,6 @@ mod deliveries;
 mod partitions;
 #[cfg(feature = "postgres")]
 mod postgres;
-#[cfg(feature = "postgres")]
-mod primary;
 mod purge_log;
 mod records;
 mod scopes;

@@ -26,7 +26,9 @@
 //!   unavailable (`503`) — never "no record".
 //! - A node that became read-only or left its cluster's quorum fails the
 //!   operation (unavailable, fail closed), and the connection that met it
-//!   is closed rather than returned to the pool.
+//!   is closed rather than returned to the pool. The URL may name several
+//!   nodes (`mysql://u@n1:3306,n2:3306,n3:3306/db`); the pool follows the
+//!   first that takes writes ([`crate::sql::primary`]).
 //!
 //! # Layout
 //!
@@ -43,10 +45,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions};
+use futures_util::future::BoxFuture;
+use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection, Executor, Row};
 
 use crate::StoreError;
+use crate::sql::primary::{self, Follow, Primary};
 use crate::sql::{Dialect, SqlSettings};
 
 /// Runs `$body` (a `Result<T, sqlx::Error>`, with `$conn` a pooled
@@ -111,6 +115,9 @@ pub(crate) struct MysqlSql {
     /// Whether reads that answer a client wait for the Galera cluster to
     /// have applied everything committed before them (MariaDB Galera).
     causal_reads: bool,
+    /// Keeps the pool's watcher ([`crate::sql::primary`]) running while
+    /// a clone of this store lives.
+    _alive: Arc<()>,
 }
 
 /// How long InnoDB waits for a row lock (and the server for a table's
@@ -187,15 +194,37 @@ impl MysqlSql {
             Some(rest) => format!("mysql://{rest}"),
             None => settings.url.clone(),
         };
-        let options = MySqlConnectOptions::from_str(&url).map_err(unavailable)?;
+        // Several hosts (a Galera cluster's nodes, a primary and its
+        // replicas): the pool follows the first that takes writes.
+        let hosts = primary::hosts(&url).map_err(|cause| StoreError::Unavailable {
+            op: "connect",
+            cause,
+        })?;
+        let options = MySqlConnectOptions::from_str(&hosts.first).map_err(unavailable)?;
+        let primary = Primary::<MySql>::new(&options, &hosts);
+        let options = if hosts.list.len() > 1 {
+            primary
+                .find_writable(settings.timeout)
+                .await
+                .map_err(unavailable)?
+        } else {
+            options
+        };
         let lock_wait = lock_wait_bound(settings.timeout);
         let statement_bound = settings.timeout * 7 / 10;
+        let watched = primary.clone();
         let pool = MySqlPoolOptions::new()
             .max_connections(settings.pool_size)
             .acquire_timeout(acquire_bound(settings.timeout))
             .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
+            .before_acquire(move |conn, meta| {
+                let stale = watched.is_stale(meta.age);
                 Box::pin(async move {
+                    // Opened before the node was found gone: closed, not
+                    // reused.
+                    if stale {
+                        return Ok(false);
+                    }
                     if meta.idle_for > PING_IF_IDLE_FOR {
                         sqlx::Connection::ping(conn).await?;
                     }
@@ -203,12 +232,21 @@ impl MysqlSql {
                 })
             })
             .after_connect(move |conn, _| {
-                Box::pin(async move { prepare_session(conn, lock_wait, statement_bound).await })
+                Box::pin(async move {
+                    // A node that takes no writes (read-only, or out of
+                    // its cluster's quorum) is no place for claims.
+                    if !MySql::takes_writes(conn).await? {
+                        return Err(primary::read_only("the server"));
+                    }
+                    prepare_session(conn, lock_wait, statement_bound).await
+                })
             })
             .connect_with(options.clone())
             .await
             .map_err(unavailable)?;
         let causal_reads = galera(&pool).await.map_err(unavailable)?;
+        let alive = Arc::new(());
+        tokio::spawn(primary.watch(pool.clone(), settings.timeout, Arc::downgrade(&alive)));
         Ok(MysqlSql {
             pool,
             options: Arc::new(options),
@@ -216,6 +254,7 @@ impl MysqlSql {
             timeout: settings.timeout,
             tombstone: settings.tombstone,
             causal_reads,
+            _alive: alive,
         })
     }
 
@@ -296,6 +335,55 @@ impl MysqlSql {
             .await
             .map(drop))
         .await
+    }
+}
+
+impl Follow for MySql {
+    /// Not read-only, and on a Galera node, in its cluster's primary
+    /// component (`wsrep_ready`). Two `SHOW` statements that MySQL 8 and
+    /// MariaDB both answer (`@@wsrep_on` is MariaDB's alone).
+    fn takes_writes(conn: &mut MySqlConnection) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let mut seen = std::collections::HashMap::new();
+            for show in [
+                "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', 'wsrep_on')",
+                "SHOW GLOBAL STATUS WHERE Variable_name = 'wsrep_ready'",
+            ] {
+                for row in sqlx::raw_sql(show).fetch_all(&mut *conn).await? {
+                    // Bytes: the server labels these columns binary.
+                    let name: Vec<u8> = row.try_get(0)?;
+                    let value: Vec<u8> = row.try_get(1)?;
+                    seen.insert(
+                        String::from_utf8_lossy(&name).to_ascii_lowercase(),
+                        String::from_utf8_lossy(&value).to_ascii_uppercase(),
+                    );
+                }
+            }
+            let on = |name: &str| seen.get(name).is_some_and(|v| v == "ON" || v == "1");
+            Ok(!on("read_only") && (!on("wsrep_on") || on("wsrep_ready")))
+        })
+    }
+
+    fn is_evidence_of_a_move(e: &sqlx::Error) -> bool {
+        match e {
+            sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Configuration(_) => true,
+            // A node that cannot take writes, a server shutting down (1053),
+            // a connection the server killed (1927, MariaDB).
+            _ => {
+                failure(e) == Failure::NodeUnusable
+                    || e.as_database_error()
+                        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+                        .is_some_and(|db| matches!(db.number(), 1053 | 1927))
+            }
+        }
+    }
+
+    fn at(options: &MySqlConnectOptions, host: &str, port: u16) -> MySqlConnectOptions {
+        options.clone().host(host).port(port)
+    }
+
+    fn address(options: &MySqlConnectOptions) -> (String, u16) {
+        (options.get_host().to_owned(), options.get_port())
     }
 }
 

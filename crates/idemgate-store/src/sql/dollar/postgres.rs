@@ -10,10 +10,45 @@ use std::time::Duration;
 use sqlx::postgres::PgPool;
 
 use super::DollarSql;
-use super::primary::{self, Primary};
 use crate::StoreError;
 use crate::held::HeldConnection;
+use crate::sql::primary::{self, Follow, Primary};
 use crate::sql::{SqlSettings, check_schema};
+
+/// Whether the server behind a connection takes writes: not a standby in
+/// recovery, and not read-only by default (a primary an operator or a
+/// failover tool fenced).
+const TAKES_WRITES: &str = "SELECT NOT pg_is_in_recovery() \
+     AND current_setting('transaction_read_only') = 'off'";
+
+impl Follow for sqlx::Postgres {
+    fn takes_writes(
+        conn: &mut sqlx::PgConnection,
+    ) -> futures_util::future::BoxFuture<'_, Result<bool, sqlx::Error>> {
+        Box::pin(sqlx::query_scalar::<_, bool>(TAKES_WRITES).fetch_one(conn))
+    }
+
+    fn is_evidence_of_a_move(e: &sqlx::Error) -> bool {
+        match e {
+            sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Configuration(_) => true,
+            sqlx::Error::Database(db) => matches!(
+                db.code().as_deref(),
+                // read_only_sql_transaction, admin_shutdown, crash_shutdown,
+                // and the connection exceptions.
+                Some("25006" | "57P01" | "57P02" | "08000" | "08003" | "08006" | "08001" | "08004")
+            ),
+            _ => false,
+        }
+    }
+
+    fn at(options: &PgConnectOptions, host: &str, port: u16) -> PgConnectOptions {
+        options.clone().host(host).port(port)
+    }
+
+    fn address(options: &PgConnectOptions) -> (String, u16) {
+        (options.get_host().to_owned(), options.get_port())
+    }
+}
 
 /// How long Postgres may work on one statement. With the wait for a pooled
 /// connection ([`acquire_bound`]) it stays under `store.timeout`, so that the database gives up (and rolls back) before
@@ -104,7 +139,7 @@ pub(super) async fn connect(
         }
         None => options,
     };
-    let primary = Primary::new(&options, &hosts);
+    let primary = Primary::<sqlx::Postgres>::new(&options, &hosts);
     let options = if hosts.list.len() > 1 {
         primary
             .find_writable(settings.timeout)
@@ -126,7 +161,7 @@ pub(super) async fn connect(
         // fenced primary) is no place for claims.
         .after_connect(|conn, _| {
             Box::pin(async move {
-                if primary::takes_writes(conn).await? {
+                if sqlx::Postgres::takes_writes(conn).await? {
                     Ok(())
                 } else {
                     Err(primary::read_only("the server"))

@@ -1,7 +1,8 @@
-//! The hosts of a Postgres URL, as libpq takes them
-//! (`postgres://u@h1:5432,h2:5432/db?target_session_attrs=read-write`):
+//! The hosts of a database URL, as libpq takes them
+//! (`postgres://u@h1:5432,h2:5432/db?target_session_attrs=read-write`)
+//! and as a Galera cluster's nodes are named (`mysql://u@n1,n2,n3/db`):
 //! sqlx takes one host, so the list is split here, for the pool's primary
-//! watcher (`sql/dollar/primary.rs`) and the waiters' `LISTEN` connection
+//! watcher (`sql/primary.rs`) and the waiters' `LISTEN` connection
 //! (`settle.rs`), which both try the hosts in turn.
 
 /// The hosts a database URL names, and the URL with only the first.
@@ -38,6 +39,10 @@ pub(crate) fn hosts(url: &str) -> Result<Hosts, String> {
             each: vec![url.to_owned()],
         });
     }
+    let default_port = match scheme {
+        "mysql" | "mariadb" => 3306,
+        _ => 5432,
+    };
     let mut list = Vec::new();
     for host in hostlist.split(',') {
         let (name, port) = match host.rsplit_once(':') {
@@ -48,7 +53,7 @@ pub(crate) fn hosts(url: &str) -> Result<Hosts, String> {
                     .map_err(|_| "an invalid port in the database URL".to_owned())?;
                 (name, port)
             }
-            _ => (host, 5432),
+            _ => (host, default_port),
         };
         if name.is_empty() {
             return Err("a host of the database URL is empty".into());
@@ -80,6 +85,7 @@ pub(crate) fn hosts(url: &str) -> Result<Hosts, String> {
 /// One URL per host of `url`, in its order (for connections made outside
 /// the pool, such as the `LISTEN` connection); `url` itself when it does
 /// not parse.
+#[cfg(feature = "postgres")]
 pub(crate) fn each_host_url(url: &str) -> Vec<String> {
     hosts(url).map_or_else(|_| vec![url.to_owned()], |h| h.each)
 }
@@ -141,6 +147,16 @@ mod tests {
             assert!(h.list.is_empty());
             assert_eq!(h.first, url);
         }
+    }
+
+    #[test]
+    fn mysql_hosts_default_to_its_port() {
+        let h = hosts("mysql://root@n1,n2:3307/test").unwrap();
+        assert_eq!(
+            h.list,
+            vec![("n1".to_owned(), 3306), ("n2".to_owned(), 3307)]
+        );
+        assert_eq!(h.first, "mysql://root@n1:3306/test");
     }
 
     #[test]

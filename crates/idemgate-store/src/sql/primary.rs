@@ -1,61 +1,81 @@
-//! Following the Postgres primary through a failover.
+//! Following the primary through a failover (Postgres), or the cluster
+//! through a node's loss (a Galera cluster, MySQL with a promoted replica).
 //!
-//! A claim is a write, so only a writable server will do. The database
-//! URL may name several hosts, as libpq's do
-//! (`postgres://u@h1:5432,h2:5432/db?target_session_attrs=read-write`), or
-//! one name (DNS, a VIP, a pgbouncer) that moves. Either way, after a
-//! failover the pool may hold connections to a server that is gone or came
-//! back as a read-only standby: each of those fails its operation with an
-//! error (`503`, nothing forwarded), never with "no record", but a pool
-//! that keeps them would fail for as long as they live.
+//! A claim is a write, so only a server that takes writes will do. The
+//! database URL may name several hosts, as libpq's do
+//! (`postgres://u@h1:5432,h2:5432/db?target_session_attrs=read-write`,
+//! `mysql://u@n1:3306,n2:3306,n3:3306/db`), or one name (DNS, a VIP, a
+//! pgbouncer, a ProxySQL) that moves. Either way, after a failover the pool
+//! may hold connections to a server that is gone, came back as a read-only
+//! standby, or (Galera) left its cluster's quorum: each of those fails its
+//! operation with an error (`503`, nothing forwarded), never with "no
+//! record", but a pool that keeps them would fail for as long as they live.
 //!
 //! So:
 //! - every new connection asks the server whether it takes writes and is
 //!   refused if not (`after_connect`);
 //! - a watcher asks the same every [`WATCH_EVERY`] on a pooled connection.
-//!   When the answer is "read-only", or the connection broke, every
-//!   connection opened before that moment is closed instead of being handed
-//!   out again (`before_acquire` compares its age), and with several hosts
-//!   the watcher finds the writable one and points the pool at it.
+//!   When the answer is "no", or the connection broke, every connection
+//!   opened before that moment is closed instead of being handed out
+//!   again (`before_acquire` compares its age), and with several hosts the
+//!   watcher finds the first, in the URL's order, that takes writes and
+//!   points the pool at it.
 //!
 //! sqlx takes one host per pool; the host list, the search and the switch
-//! are this module's, the smallest layer over `Pool::set_connect_options`.
+//! are this module's, the smallest layer over `Pool::set_connect_options`,
+//! written once for both databases: what differs ([`Follow`]) is how a
+//! server says it takes writes and which errors say it moved.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use sqlx::Connection;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
+use futures_util::future::BoxFuture;
+use sqlx::{ConnectOptions, Connection, Database, Pool};
 
-pub(super) use crate::pg_hosts::{Hosts, hosts};
+pub(super) use crate::url_hosts::{Hosts, hosts};
+
+/// A pool's connect options.
+pub(super) type Options<DB> = <<DB as Database>::Connection as Connection>::Options;
+
+/// What following a database's primary needs of it.
+pub(super) trait Follow: Database {
+    /// Whether the server behind `conn` takes the store's writes now.
+    fn takes_writes(conn: &mut Self::Connection) -> BoxFuture<'_, Result<bool, sqlx::Error>>;
+
+    /// Whether an error says the server moved or went away (rather than
+    /// that it is busy): a broken or refused connection, a server shutting
+    /// down, read-only or out of its cluster, or a connection
+    /// [`read_only`] refused.
+    fn is_evidence_of_a_move(e: &sqlx::Error) -> bool;
+
+    /// `options`, pointed at `host:port`.
+    fn at(options: &Options<Self>, host: &str, port: u16) -> Options<Self>;
+
+    /// `host:port` of `options`, for logs.
+    fn address(options: &Options<Self>) -> (String, u16);
+}
 
 /// How often the watcher asks whether the pool's server still takes writes.
 pub(super) const WATCH_EVERY: Duration = Duration::from_millis(500);
 
-/// Whether the server behind a connection takes writes: not a standby in
-/// recovery, and not read-only by default (a primary an operator or a
-/// failover tool fenced).
-const TAKES_WRITES: &str = "SELECT NOT pg_is_in_recovery() \
-     AND current_setting('transaction_read_only') = 'off'";
-
 /// What the pool's hooks and the watcher share.
-pub(super) struct Primary {
+pub(super) struct Primary<DB: Follow> {
     /// Every host of the URL, each with the store's connect options.
-    candidates: Vec<PgConnectOptions>,
+    candidates: Vec<Options<DB>>,
     /// Connections opened before this (ms after `started`) are closed
     /// instead of handed out: they may point at a server that moved.
     stale_before_ms: AtomicU64,
     started: Instant,
 }
 
-impl Primary {
-    pub(super) fn new(base: &PgConnectOptions, hosts: &Hosts) -> Arc<Primary> {
+impl<DB: Follow> Primary<DB> {
+    pub(super) fn new(base: &Options<DB>, hosts: &Hosts) -> Arc<Primary<DB>> {
         Arc::new(Primary {
             candidates: hosts
                 .list
                 .iter()
-                .map(|(host, port)| base.clone().host(host).port(*port))
+                .map(|(host, port)| DB::at(base, host, *port))
                 .collect(),
             stale_before_ms: AtomicU64::new(0),
             started: Instant::now(),
@@ -80,20 +100,14 @@ impl Primary {
     }
 
     /// The first host, in the URL's order, that takes writes now.
-    pub(super) async fn find_writable(
-        &self,
-        within: Duration,
-    ) -> Result<PgConnectOptions, sqlx::Error> {
+    pub(super) async fn find_writable(&self, within: Duration) -> Result<Options<DB>, sqlx::Error> {
         let mut last = None;
         for options in &self.candidates {
-            match tokio::time::timeout(within, probe(options)).await {
+            match tokio::time::timeout(within, probe::<DB>(options)).await {
                 Ok(Ok(true)) => return Ok(options.clone()),
                 Ok(Ok(false)) => {
-                    last = Some(read_only(&format!(
-                        "{}:{}",
-                        options.get_host(),
-                        options.get_port()
-                    )))
+                    let (host, port) = DB::address(options);
+                    last = Some(read_only(&format!("{host}:{port}")))
                 }
                 Ok(Err(e)) => last = Some(e),
                 Err(_) => last = Some(sqlx::Error::PoolTimedOut),
@@ -106,7 +120,7 @@ impl Primary {
     /// docs.
     pub(super) async fn watch(
         self: Arc<Self>,
-        pool: PgPool,
+        pool: Pool<DB>,
         timeout: Duration,
         alive: std::sync::Weak<()>,
     ) {
@@ -118,7 +132,7 @@ impl Primary {
             }
             let check = async {
                 let mut conn = pool.acquire().await?;
-                takes_writes(&mut conn).await
+                DB::takes_writes(&mut conn).await
             };
             // Moved only on evidence: a server that answers "read-only",
             // a connection that breaks or hangs, a server that refuses
@@ -132,9 +146,9 @@ impl Primary {
                 // connect until the wait runs out). Ask the server itself.
                 Ok(Err(sqlx::Error::PoolTimedOut)) => {
                     let options = pool.connect_options();
-                    match tokio::time::timeout(timeout, probe(&options)).await {
+                    match tokio::time::timeout(timeout, probe::<DB>(&options)).await {
                         Ok(Ok(writable)) => writable,
-                        Ok(Err(e)) => !is_evidence_of_a_move(&e),
+                        Ok(Err(e)) => !DB::is_evidence_of_a_move(&e),
                         Err(_) => true,
                     }
                 }
@@ -142,7 +156,7 @@ impl Primary {
                 // own bound: it (and its siblings) may point at a host
                 // that vanished without a reset.
                 Err(_) => false,
-                Ok(Err(e)) => !is_evidence_of_a_move(&e),
+                Ok(Err(e)) => !DB::is_evidence_of_a_move(&e),
             };
             if healthy {
                 if moved {
@@ -163,10 +177,11 @@ impl Primary {
             if self.candidates.len() > 1 {
                 match self.find_writable(timeout).await {
                     Ok(options) => {
+                        let (host, port) = DB::address(&options);
                         tracing::info!(
                             layer = "sql",
-                            host = options.get_host(),
-                            port = options.get_port(),
+                            host,
+                            port,
                             "the primary is found; new connections go there"
                         );
                         pool.set_connect_options(options);
@@ -183,37 +198,13 @@ impl Primary {
     }
 }
 
-/// Whether an error says the server moved or went away (rather than that
-/// it is busy): a broken or refused connection, a server shutting down or
-/// in recovery, a read-only transaction, or a connection this module
-/// refused for taking no writes.
-fn is_evidence_of_a_move(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Configuration(_) => true,
-        sqlx::Error::Database(db) => matches!(
-            db.code().as_deref(),
-            // read_only_sql_transaction, admin_shutdown, crash_shutdown,
-            // and the connection exceptions.
-            Some("25006" | "57P01" | "57P02" | "08000" | "08003" | "08006" | "08001" | "08004")
-        ),
-        _ => false,
-    }
-}
-
 /// Asks the server `options` name, on a connection of its own, whether it
 /// takes writes.
-async fn probe(options: &PgConnectOptions) -> Result<bool, sqlx::Error> {
-    let mut conn = PgConnection::connect_with(options).await?;
-    let writable = takes_writes(&mut conn).await;
+async fn probe<DB: Follow>(options: &Options<DB>) -> Result<bool, sqlx::Error> {
+    let mut conn = options.connect().await?;
+    let writable = DB::takes_writes(&mut conn).await;
     let _ = conn.close().await;
     writable
-}
-
-/// Asks the server behind `conn` whether it takes writes.
-pub(super) async fn takes_writes(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar::<_, bool>(TAKES_WRITES)
-        .fetch_one(conn)
-        .await
 }
 
 /// The error a connection to a server (`which`) that takes no writes is
@@ -231,10 +222,12 @@ pub(super) fn read_only(which: &str) -> sqlx::Error {
 mod tests {
     use super::*;
 
+    #[cfg(feature = "postgres")]
     #[test]
     fn connections_older_than_a_move_are_stale() {
-        let hosts = crate::pg_hosts::hosts("postgres://h1/db").unwrap();
-        let primary = Primary::new(&PgConnectOptions::new(), &hosts);
+        let hosts = crate::url_hosts::hosts("postgres://h1/db").unwrap();
+        let options = sqlx::postgres::PgConnectOptions::new();
+        let primary = Primary::<sqlx::Postgres>::new(&options, &hosts);
         assert!(!primary.is_stale(Duration::from_secs(3600)));
         std::thread::sleep(Duration::from_millis(5));
         primary.mark_stale();
