@@ -197,6 +197,16 @@ fn print_route_table(config: &Config) {
             policy
         );
     }
+    print_consumer_table(config);
+    println!(
+        "ok: {} route(s), {} upstream(s), {} consumer(s)",
+        config.routes.len(),
+        config.upstreams.len(),
+        config.consumers.len()
+    );
+}
+
+fn print_consumer_table(config: &Config) {
     if !config.consumers.is_empty() {
         println!();
         println!(
@@ -241,10 +251,4 @@ fn print_route_table(config: &Config) {
             humantime::format_duration(c.retry_delay.get()),
         );
     }
-    println!(
-        "ok: {} route(s), {} upstream(s), {} consumer(s)",
-        config.routes.len(),
-        config.upstreams.len(),
-        config.consumers.len()
-    );
 }

@@ -28,6 +28,7 @@ mod acks;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::sessions::Deliveries;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use lapin::message::Delivery;
@@ -37,7 +38,6 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use tokio::task::JoinSet;
 
 use acks::{Acks, Refusal};
 use tokio_util::sync::CancellationToken;
@@ -62,20 +62,19 @@ pub(super) async fn run(
     .await;
 }
 
-async fn session(
-    d: &Arc<Deliverer>,
-    url: &str,
+/// Sets a session's channel up: `prefetch` unacknowledged messages at
+/// most, publisher confirms (a dead letter is acknowledged only once the
+/// broker has it), the queue checked to exist (never made: a typo must not
+/// consume from an empty new queue), and a dead-letter queue of Idemgate's
+/// own made if missing.
+async fn declare(
+    channel: &Channel,
+    prefetch: u16,
     queue: &str,
     dead_letters: &DeadLetters,
-    stop: &CancellationToken,
 ) -> Result<(), lapin::Error> {
-    let settings = d.settings();
-    let properties = ConnectionProperties::default()
-        .with_connection_name(LongString::from(format!("idemgate {}", settings.name)));
-    let connection = Connection::connect(url, properties).await?;
-    let channel = connection.create_channel().await?;
     channel
-        .basic_qos(settings.prefetch, BasicQosOptions::default())
+        .basic_qos(prefetch, BasicQosOptions::default())
         .await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
@@ -99,6 +98,22 @@ async fn session(
             )
             .await?;
     }
+    Ok(())
+}
+
+async fn session(
+    d: &Arc<Deliverer>,
+    url: &str,
+    queue: &str,
+    dead_letters: &DeadLetters,
+    stop: &CancellationToken,
+) -> Result<(), lapin::Error> {
+    let settings = d.settings();
+    let properties = ConnectionProperties::default()
+        .with_connection_name(LongString::from(format!("idemgate {}", settings.name)));
+    let connection = Connection::connect(url, properties).await?;
+    let channel = connection.create_channel().await?;
+    declare(&channel, settings.prefetch, queue, dead_letters).await?;
     let tag = format!("idemgate-{}-{}", settings.name, uuid::Uuid::new_v4());
     let mut consumer = channel
         .basic_consume(
@@ -111,14 +126,8 @@ async fn session(
     d.counters().set_connected();
     tracing::info!(consumer = %settings.name, broker = %redact(url), queue = %queue, prefetch = settings.prefetch, layer = "consumer", "consuming");
 
-    // The deliveries of this session: a stop cancels them (they finish and
-    // acknowledge within the grace), and so does the session's end — their
-    // acks can only fail with the connection, so a delivery that waits in
-    // process (store away, a copy elsewhere) stops waiting; its holder, if
-    // it claimed, still sees the claim through.
-    let session = stop.child_token();
     let acks = Acks::start(channel.clone());
-    let mut running = JoinSet::new();
+    let mut deliveries = Deliveries::new(stop);
     let ended = loop {
         tokio::select! {
             _ = stop.cancelled() => break Ok(()),
@@ -128,43 +137,37 @@ async fn session(
                     let d = d.clone();
                     let channel = channel.clone();
                     let acks = acks.clone();
-                    let session = session.clone();
+                    let session = deliveries.session().clone();
                     let dead_letters = dead_letters.clone();
-                    running.spawn(async move {
+                    deliveries.spawn(async move {
                         handle(&d, &channel, &acks, &dead_letters, delivery, &session).await
                     });
                 }
                 Some(Err(e)) => break Err(e),
                 None => break Ok(()),
             },
-            // Reap finished deliveries so the set stays small.
-            Some(_) = running.join_next(), if !running.is_empty() => {}
+            () = deliveries.one_done() => {}
         }
     };
-    if stop.is_cancelled() {
-        // Stop taking messages; finish and acknowledge those in hand,
-        // within the grace; the rest are delivered again.
+    let stopped = stop.is_cancelled();
+    if stopped {
+        // Stop taking messages before finishing those in hand.
         let _ = channel
             .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
             .await;
-        let finish = async { while running.join_next().await.is_some() {} };
-        if tokio::time::timeout(settings.shutdown_grace, finish)
-            .await
-            .is_err()
-        {
-            tracing::warn!(consumer = %settings.name, left = running.len(), layer = "consumer", "shutdown grace over; unacknowledged messages are delivered again");
-        }
-        acks.close();
-        let _ = connection.close(200, "idemgate stopping".into()).await;
-        return Ok(());
     }
-    // The deliveries in hand go on in the background: their holders see
-    // their claims through; their acks fail with the connection.
-    session.cancel();
-    running.detach_all();
+    let then = "unacknowledged messages are delivered again";
+    deliveries
+        .end(stopped, settings.shutdown_grace, &settings.name, then)
+        .await;
     acks.close();
-    let _ = connection.close(200, "reconnecting".into()).await;
-    ended
+    let reason = if stopped {
+        "idemgate stopping"
+    } else {
+        "reconnecting"
+    };
+    let _ = connection.close(200, reason.into()).await;
+    if stopped { Ok(()) } else { ended }
 }
 
 async fn handle(

@@ -18,10 +18,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::sessions::Deliveries;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures_util::StreamExt;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::{CopyFailure, Deliverer, Disposition, Message, keep_connected, redact};
@@ -52,21 +52,18 @@ pub(super) async fn run(
     .await;
 }
 
-async fn session(
-    d: &Arc<Deliverer>,
-    url: &str,
+/// The stream's durable pull consumer, made if missing, and a stream for
+/// the dead letters unless one already captures their subject. Refused: a
+/// stream that captures its own dead-letter subject, and a durable made
+/// before (by hand, or by an older config) with settings that would
+/// strand or lose messages.
+async fn durable_consumer(
+    js: &jetstream::Context,
     stream_name: &str,
     durable: &str,
     dead_letters: &str,
-    stop: &CancellationToken,
-) -> Result<(), Failure> {
-    let settings = d.settings();
-    let client = async_nats::ConnectOptions::new()
-        .name(format!("idemgate {}", settings.name))
-        .connection_timeout(Duration::from_secs(5))
-        .connect(url)
-        .await?;
-    let js = jetstream::new(client.clone());
+    settings: &crate::ConsumerSettings,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, Failure> {
     let stream = js.get_stream(stream_name).await?;
     let captured = &stream.cached_info().config.subjects;
     if captured
@@ -130,6 +127,25 @@ async fn session(
         )
         .into());
     }
+    Ok(consumer)
+}
+
+async fn session(
+    d: &Arc<Deliverer>,
+    url: &str,
+    stream_name: &str,
+    durable: &str,
+    dead_letters: &str,
+    stop: &CancellationToken,
+) -> Result<(), Failure> {
+    let settings = d.settings();
+    let client = async_nats::ConnectOptions::new()
+        .name(format!("idemgate {}", settings.name))
+        .connection_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await?;
+    let js = jetstream::new(client.clone());
+    let consumer = durable_consumer(&js, stream_name, durable, dead_letters, settings).await?;
     let mut messages = consumer
         .stream()
         .max_messages_per_batch(usize::from(settings.prefetch))
@@ -139,13 +155,7 @@ async fn session(
     d.counters().set_connected();
     tracing::info!(consumer = %settings.name, broker = %redact(url), stream = %stream_name, durable = %durable, prefetch = settings.prefetch, layer = "consumer", "consuming");
 
-    // The deliveries of this session: a stop cancels them (they finish and
-    // acknowledge within the grace), and so does the session's end — their
-    // acks can only fail with the connection, so a delivery that waits in
-    // process (store away, a copy elsewhere) stops waiting; its holder, if
-    // it claimed, still sees the claim through.
-    let session = stop.child_token();
-    let mut running = JoinSet::new();
+    let mut deliveries = Deliveries::new(stop);
     let ended: Result<(), Failure> = loop {
         tokio::select! {
             _ = stop.cancelled() => break Ok(()),
@@ -153,30 +163,26 @@ async fn session(
                 Some(Ok(message)) => {
                     let d = d.clone();
                     let js = js.clone();
-                    let session = session.clone();
+                    let session = deliveries.session().clone();
                     let subject = dead_letters.to_owned();
-                    running.spawn(async move { handle(&d, &js, &subject, message, &session).await });
+                    deliveries.spawn(async move { handle(&d, &js, &subject, message, &session).await });
                 }
                 Some(Err(e)) => break Err(e.into()),
                 None => break Ok(()),
             },
-            Some(_) = running.join_next(), if !running.is_empty() => {}
+            () = deliveries.one_done() => {}
         }
     };
     drop(messages);
-    if stop.is_cancelled() {
-        let finish = async { while running.join_next().await.is_some() {} };
-        if tokio::time::timeout(settings.shutdown_grace, finish)
-            .await
-            .is_err()
-        {
-            tracing::warn!(consumer = %settings.name, left = running.len(), layer = "consumer", "shutdown grace over; unacknowledged messages are delivered again");
-        }
+    let stopped = stop.is_cancelled();
+    let then = "unacknowledged messages are delivered again";
+    deliveries
+        .end(stopped, settings.shutdown_grace, &settings.name, then)
+        .await;
+    if stopped {
         let _ = client.drain().await;
         return Ok(());
     }
-    session.cancel();
-    running.detach_all();
     ended
 }
 

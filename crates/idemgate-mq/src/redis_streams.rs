@@ -33,12 +33,12 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::sessions::Deliveries;
 use bytes::Bytes;
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::{CopyFailure, Deliverer, Disposition, Message, StreamSource, keep_connected, redact};
@@ -78,26 +78,29 @@ fn consumer_name(d: &Deliverer) -> String {
     )
 }
 
-async fn session(
-    d: &Arc<Deliverer>,
+/// Two connections: one for commands (acks, claims), one for the blocking
+/// `XREADGROUP`, which holds its connection until it returns: commands
+/// pipelined behind it would wait.
+async fn connect(
     source: &StreamSource,
-    stop: &CancellationToken,
+) -> Result<(MultiplexedConnection, MultiplexedConnection), redis::RedisError> {
+    let client = redis::Client::open(source.url.as_str())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    conn.set_response_timeout(COMMAND_TIMEOUT);
+    let mut reader = client.get_multiplexed_async_connection().await?;
+    reader.set_response_timeout(READ_BLOCK + COMMAND_TIMEOUT);
+    Ok((conn, reader))
+}
+
+/// Makes the consumer group if it is missing (at the stream's end, or
+/// after the last entry read here: see inside).
+async fn ensure_group(
+    conn: &mut MultiplexedConnection,
+    d: &Deliverer,
+    source: &StreamSource,
     last_read: &Mutex<Option<String>>,
 ) -> Result<(), String> {
     let failed = |e: redis::RedisError| e.to_string();
-    let client = redis::Client::open(source.url.as_str()).map_err(failed)?;
-    // Two connections: a blocking XREADGROUP holds its connection until it
-    // returns, and commands pipelined behind it (acks, claims) would wait.
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .map_err(failed)?;
-    conn.set_response_timeout(COMMAND_TIMEOUT);
-    let mut reader = client
-        .get_multiplexed_async_connection()
-        .await
-        .map_err(failed)?;
-    reader.set_response_timeout(READ_BLOCK + COMMAND_TIMEOUT);
     // Where the group starts if it has to be created: for a process that
     // never read, at the stream's end (a new group takes what is added
     // after it); for one whose group vanished under it, after the last
@@ -113,7 +116,7 @@ async fn session(
         .arg(&source.group)
         .arg(&start)
         .arg("MKSTREAM")
-        .query_async(&mut conn)
+        .query_async(conn)
         .await;
     match created {
         Err(e) if e.code() != Some("BUSYGROUP") => return Err(failed(e)),
@@ -122,19 +125,30 @@ async fn session(
         }
         _ => {}
     }
+    Ok(())
+}
+
+async fn session(
+    d: &Arc<Deliverer>,
+    source: &StreamSource,
+    stop: &CancellationToken,
+    last_read: &Mutex<Option<String>>,
+) -> Result<(), String> {
+    let failed = |e: redis::RedisError| e.to_string();
+    let (mut conn, mut reader) = connect(source).await.map_err(failed)?;
+    ensure_group(&mut conn, d, source, last_read).await?;
     let me: Arc<str> = consumer_name(d).into();
     let settings = d.settings();
     d.counters().set_connected();
     tracing::info!(consumer = %settings.name, broker = %redact(&source.url), stream = %source.stream, group = %source.group, prefetch = settings.prefetch, layer = "consumer", "consuming");
 
-    let session = stop.child_token();
     let slots = Arc::new(Semaphore::new(usize::from(settings.prefetch.max(1))));
-    let mut running = JoinSet::new();
+    let mut deliveries = Deliveries::new(stop);
     let claim_every = (source.claim_idle / 2).max(READ_BLOCK);
     let mut next_claim = tokio::time::Instant::now();
     let mut cursor = "0-0".to_owned();
     let ended: Result<(), String> = loop {
-        while running.try_join_next().is_some() {}
+        deliveries.reap();
         if stop.is_cancelled() {
             break Ok(());
         }
@@ -144,7 +158,7 @@ async fn session(
         if free == 0 {
             tokio::select! {
                 _ = stop.cancelled() => break Ok(()),
-                _ = running.join_next() => continue,
+                () = deliveries.one_done() => continue,
             }
         }
         // A read is never cancelled half-way: the entries of a reply Redis
@@ -174,14 +188,13 @@ async fn session(
                         .try_acquire_owned()
                         .map_err(|e| e.to_string())?;
                     spawn(
-                        &mut running,
+                        &mut deliveries,
                         d,
                         &conn,
                         source,
                         &me,
                         entry,
                         claimed,
-                        &session,
                         permit,
                     );
                 }
@@ -189,21 +202,15 @@ async fn session(
             Err(e) => break Err(failed(e)),
         }
     };
-    if stop.is_cancelled() {
-        let finish = async { while running.join_next().await.is_some() {} };
-        if tokio::time::timeout(settings.shutdown_grace, finish)
-            .await
-            .is_err()
-        {
-            tracing::warn!(consumer = %settings.name, left = running.len(), layer = "consumer", "shutdown grace over; unacknowledged entries stay pending and are claimed again");
-        }
+    let stopped = stop.is_cancelled();
+    // Entries whose acks fail stay pending, and are claimed again.
+    let then = "unacknowledged entries stay pending and are claimed again";
+    deliveries
+        .end(stopped, settings.shutdown_grace, &settings.name, then)
+        .await;
+    if stopped {
         return Ok(());
     }
-    // The entries in hand go on: their holders see their claims through;
-    // their acks may fail with the connection (they stay pending, and are
-    // claimed again).
-    session.cancel();
-    running.detach_all();
     ended.and(Err("the stream read ended".to_owned()))
 }
 
@@ -295,19 +302,19 @@ async fn forget_finished(
 
 #[allow(clippy::too_many_arguments)]
 fn spawn(
-    running: &mut JoinSet<()>,
+    deliveries: &mut Deliveries,
     d: &Arc<Deliverer>,
     conn: &MultiplexedConnection,
     source: &StreamSource,
     me: &Arc<str>,
     entry: StreamId,
     claimed: bool,
-    session: &CancellationToken,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {
-    let (d, conn, source, session) = (d.clone(), conn.clone(), source.clone(), session.clone());
+    let session = deliveries.session().clone();
+    let (d, conn, source) = (d.clone(), conn.clone(), source.clone());
     let me = me.clone();
-    running.spawn(async move {
+    deliveries.spawn(async move {
         let _permit = permit;
         let handled = handle(&d, conn.clone(), &source, entry.clone(), claimed, &session);
         tokio::select! {

@@ -135,21 +135,7 @@ pub(super) async fn send(
         }
     };
     let (mut parts, incoming) = response.into_parts();
-    let trailers = h1_client_wants_trailers
-        .then(|| headers::trailer_names(&parts.headers))
-        .flatten();
-    // Both framings at once: the answer was read as chunked, but a
-    // connection whose peer frames ambiguously is not trusted again.
-    let ambiguous =
-        headers::strip_response_headers(&mut parts.headers).map_err(SendError::Broken)?;
-    if let Some(names) = trailers {
-        parts.headers.insert(header::TRAILER, names);
-    }
-    if to_h2_client {
-        // Only an HTTP/2 client's connection keeps header values (in its
-        // HPACK table); an HTTP/1.1 one writes and drops them.
-        headers::detach_values(&mut parts.headers);
-    }
+    let ambiguous = client_head(&mut parts.headers, to_h2_client, h1_client_wants_trailers)?;
     let home = match checked.sender {
         Sender::Http1(sender) if !ambiguous => Some((sender, pool.clone())),
         _ => None,
@@ -158,6 +144,32 @@ pub(super) async fn send(
         parts,
         Body::new(PooledBody::new(incoming, home, checked.stream)),
     ))
+}
+
+/// The answer's head as the client gets it: connection headers gone,
+/// trailers announced to an HTTP/1.1 client that asked for them, values
+/// copied out for an HTTP/2 client. Whether the upstream framed it
+/// ambiguously (its connection is then not reused).
+fn client_head(
+    head: &mut http::HeaderMap,
+    to_h2_client: bool,
+    h1_client_wants_trailers: bool,
+) -> Result<bool, SendError> {
+    let trailers = h1_client_wants_trailers
+        .then(|| headers::trailer_names(head))
+        .flatten();
+    // Both framings at once: the answer was read as chunked, but a
+    // connection whose peer frames ambiguously is not trusted again.
+    let ambiguous = headers::strip_response_headers(head).map_err(SendError::Broken)?;
+    if let Some(names) = trailers {
+        head.insert(header::TRAILER, names);
+    }
+    if to_h2_client {
+        // Only an HTTP/2 client's connection keeps header values (in its
+        // HPACK table); an HTTP/1.1 one writes and drops them.
+        headers::detach_values(head);
+    }
+    Ok(ambiguous)
 }
 
 /// What a hyper error after the request was handed over means.

@@ -233,40 +233,11 @@ impl Engine {
                     .into_response();
             }
         };
-        // A slow-drip body must not hold a connection (and, later, a claim)
-        // forever: the whole body arrives within the deadline or the
-        // request is refused before anything is stored.
-        let deadline = self.settings.body_read_timeout;
-        let read = read_and_fingerprint(
-            &parts,
-            body,
-            self.settings.max_body_bytes,
-            &self.settings.body_budget,
-        );
         // `_buffered` counts the body until this request is answered.
-        let (bytes, fingerprint, _buffered) = match tokio::time::timeout(deadline, read).await {
-            Ok(Ok(read)) => read,
-            Ok(Err(BodyError::TooLarge { limit })) => {
-                return self.refusal::<P>(IdempotencyError::BodyTooLarge { limit }, None);
-            }
-            Ok(Err(BodyError::Broken(e))) => {
-                return self.refusal::<P>(IdempotencyError::BadBody(e), None);
-            }
-            Ok(Err(BodyError::Budget)) => {
-                return self.refusal::<P>(IdempotencyError::BodyBudget, None);
-            }
-            Err(_) => return self.refusal::<P>(IdempotencyError::BodyTimeout(deadline), None),
+        let (bytes, fingerprint, _buffered) = match self.read_body::<P>(&parts, body).await {
+            Ok(read) => read,
+            Err(refusal) => return refusal,
         };
-        // A unary gRPC call is one message; more is a stream, whose answer
-        // depends on how the messages interleave and cannot be replayed.
-        if idemgate_core::grpc::is_grpc(&parts.headers)
-            && let Some(messages @ 2..) = idemgate_core::grpc::message_count(&bytes)
-        {
-            let problem = Problem::from(&IdempotencyError::StreamingCall(messages));
-            return problem
-                .logged(P::LAYER, format!("a gRPC call with {messages} messages"))
-                .into_response();
-        }
         let (key, replay_only) = match head {
             Keyed::Key(key) => (key, None),
             Keyed::ReplayOnly(key, refusal) => (key, Some(refusal)),
@@ -316,6 +287,47 @@ impl Engine {
         };
         self.claim_and_hold(policy, inner, parts, bytes, ticket)
             .await
+    }
+
+    /// Reads the whole request body and its fingerprint, or the refusal
+    /// that ends the request before anything is stored: too large, broken,
+    /// too slow, past the process's budget, or a streaming gRPC call.
+    async fn read_body<P: Policy>(
+        &self,
+        parts: &Parts,
+        body: Body,
+    ) -> Result<(Bytes, String, super::body::Buffered), Response<Body>> {
+        // A slow-drip body must not hold a connection (and, later, a claim)
+        // forever: the whole body arrives within the deadline or the
+        // request is refused before anything is stored.
+        let deadline = self.settings.body_read_timeout;
+        let read = read_and_fingerprint(
+            parts,
+            body,
+            self.settings.max_body_bytes,
+            &self.settings.body_budget,
+        );
+        let error = match tokio::time::timeout(deadline, read).await {
+            Ok(Ok(read)) => {
+                // A unary gRPC call is one message; more is a stream, whose
+                // answer depends on how the messages interleave and cannot
+                // be replayed.
+                if idemgate_core::grpc::is_grpc(&parts.headers)
+                    && let Some(messages @ 2..) = idemgate_core::grpc::message_count(&read.0)
+                {
+                    let problem = Problem::from(&IdempotencyError::StreamingCall(messages));
+                    return Err(problem
+                        .logged(P::LAYER, format!("a gRPC call with {messages} messages"))
+                        .into_response());
+                }
+                return Ok(read);
+            }
+            Ok(Err(BodyError::TooLarge { limit })) => IdempotencyError::BodyTooLarge { limit },
+            Ok(Err(BodyError::Broken(e))) => IdempotencyError::BadBody(e),
+            Ok(Err(BodyError::Budget)) => IdempotencyError::BodyBudget,
+            Err(_) => IdempotencyError::BodyTimeout(deadline),
+        };
+        Err(self.refusal::<P>(error, None))
     }
 
     /// Claims the key; a won claim is seen through by a [`Holder`]. A

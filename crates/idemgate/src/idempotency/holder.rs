@@ -542,6 +542,24 @@ impl<L: Ledger> Holder<L> {
         if !grpc_answer && !super::outcome::is_stored(response.status()) {
             return (Write::Release, response);
         }
+        self.keep(response, grpc_answer, status_in_head, give_up)
+            .await
+    }
+}
+
+impl<L> Holder<L> {
+    /// Reads an answer to be recorded whole (its body up to the cap,
+    /// counted in the claim's share) and says what it means: stored, or
+    /// for a gRPC call whose trailers carry a status that says otherwise,
+    /// released or uncertain. `give_up` bounds it from outside.
+    async fn keep(
+        &mut self,
+        response: Response<Body>,
+        grpc_answer: bool,
+        status_in_head: Option<u32>,
+        give_up: tokio::time::Instant,
+    ) -> (Write, Response<Body>) {
+        let hold = self.uncertain_hold;
         let (parts, body) = response.into_parts();
         // Waiting for room in the answer budget ends well before
         // `give_up`: an answer in hand is never turned into a timeout.
@@ -594,9 +612,7 @@ impl<L: Ledger> Holder<L> {
             Response::from_parts(parts, client_body),
         )
     }
-}
 
-impl<L> Holder<L> {
     /// What a gRPC call's status `code` means when its answer is not to be
     /// stored: `None` to store it. No status at all is uncertain: the
     /// answer ended before saying how the call ended.
