@@ -538,6 +538,21 @@ async fn the_service_is_told_the_deadline_the_gateway_keeps() {
     .await
     .unwrap();
     assert_eq!(timeout_seen(&service).as_deref(), Some("700m"));
+    // A request that is not a gRPC call: its `grpc-timeout` binds nothing.
+    let plain = support::Http::h2c()
+        .send(
+            "POST",
+            &format!("http://{}/shop.Orders/Place", gateway.public_addr),
+            &[
+                ("grpc-timeout", "1n"),
+                ("te", "trailers"),
+                ("x-delay-ms", "200"),
+            ],
+            [&[0u8, 0, 0, 0, 1][..], b"t"].concat(),
+        )
+        .await;
+    assert_eq!(plain.status, 200, "{plain:?}");
+    assert_eq!(timeout_seen(&service).as_deref(), Some("1n"), "rewritten");
     // And the gateway keeps it: a call that runs past its own deadline is
     // answered DEADLINE_EXCEEDED by then. (Sent with a plain HTTP/2
     // client: tonic's would give up at the deadline itself.)
@@ -568,31 +583,44 @@ async fn the_service_is_told_the_deadline_the_gateway_keeps() {
 }
 
 /// An HTTP/1.1 client that asks for trailers (`TE: trailers`) gets the
-/// gRPC status as chunked trailers.
+/// gRPC status as chunked trailers: passed through, on a protected
+/// route, and in that route's replay.
 #[tokio::test]
 async fn an_http1_client_that_asks_for_trailers_gets_them_chunked() {
     let service = GrpcService::start().await;
     let gateway = gateway_for(&service, |_| {}).await;
-    let mut tcp = tokio::net::TcpStream::connect(gateway.public_addr)
-        .await
-        .unwrap();
-    let message = [&[0u8, 0, 0, 0, 2][..], b"h1"].concat();
-    let head = format!(
-        "POST /shop.Orders/Place HTTP/1.1\r\nhost: x\r\ncontent-type: application/grpc\r\n\
-         te: trailers\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        message.len()
-    );
-    tcp.write_all(head.as_bytes()).await.unwrap();
-    tcp.write_all(&message).await.unwrap();
-    let mut raw = Vec::new();
-    tcp.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).to_ascii_lowercase();
-    assert!(text.starts_with("http/1.1 200"), "{text}");
-    assert!(text.contains("transfer-encoding: chunked"), "{text}");
-    let last_chunk = text.rfind("\r\n0\r\n").expect("a last chunk");
-    let trailers = &text[last_chunk..];
-    assert!(trailers.contains("grpc-status: 0"), "{text}");
-    assert!(text.contains("placed:h1"), "{text}");
+    let call = |path: &'static str, key: Option<&'static str>| {
+        let addr = gateway.public_addr;
+        async move {
+            let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let message = [&[0u8, 0, 0, 0, 2][..], b"h1"].concat();
+            let key = key.map_or(String::new(), |k| format!("idempotency-key: {k}\r\n"));
+            let head = format!(
+                "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/grpc\r\n\
+                 te: trailers\r\n{key}content-length: {}\r\nconnection: close\r\n\r\n",
+                message.len()
+            );
+            tcp.write_all(head.as_bytes()).await.unwrap();
+            tcp.write_all(&message).await.unwrap();
+            let mut raw = Vec::new();
+            tcp.read_to_end(&mut raw).await.unwrap();
+            String::from_utf8_lossy(&raw).to_ascii_lowercase()
+        }
+    };
+    for (path, key) in [
+        ("/shop.Orders/Place", None),
+        ("/orders.Orders/Place", Some("h1-1")),
+        ("/orders.Orders/Place", Some("h1-1")),
+    ] {
+        let text = call(path, key).await;
+        assert!(text.starts_with("http/1.1 200"), "{text}");
+        assert!(text.contains("transfer-encoding: chunked"), "{text}");
+        let last_chunk = text.rfind("\r\n0\r\n").expect("a last chunk");
+        let trailers = &text[last_chunk..];
+        assert!(trailers.contains("grpc-status: 0"), "{path}: {text}");
+        assert!(text.contains("placed:h1"), "{text}");
+    }
+    assert_eq!(service.executions(), 2, "the replay ran");
     gateway.shutdown().await;
 }
 
@@ -787,9 +815,10 @@ async fn a_cancelled_call_runs_once_and_its_retry_replays_it() {
 }
 
 /// The gRPC status decides the record: a status the method answered for
-/// good is replayed with its trailing metadata; `UNAVAILABLE` (it did not
-/// act) lets the retry run; `INTERNAL` (it may have acted) holds the
-/// retry as uncertain.
+/// good is replayed with its trailing metadata; `RESOURCE_EXHAUSTED` (it
+/// did not act) lets the retry run; `INTERNAL`, and `UNAVAILABLE` (what
+/// Envoy answers for a lost or late answer), may mean it acted: the retry
+/// is held as uncertain.
 #[tokio::test]
 async fn the_grpc_status_decides_stored_released_or_uncertain() {
     let service = GrpcService::start().await;
@@ -815,22 +844,27 @@ async fn the_grpc_status_decides_stored_released_or_uncertain() {
     assert_eq!(status_meta(&replayed, "idempotent-replayed"), Some("true"));
     assert_eq!(service.executions(), 1);
 
-    let unavailable = place("released-1", Some("14")).await.unwrap_err();
-    assert_eq!(unavailable.code(), Code::Unavailable);
+    let exhausted = place("released-1", Some("8")).await.unwrap_err();
+    assert_eq!(exhausted.code(), Code::ResourceExhausted);
     let ran = place("released-1", None).await.unwrap();
     assert_eq!(ran.get_ref(), b"placed:m");
     assert_eq!(meta(&ran, "idempotent-replayed"), None);
     assert_eq!(service.executions(), 3);
 
-    let internal = place("uncertain-1", Some("13")).await.unwrap_err();
-    assert_eq!(internal.code(), Code::Internal);
-    let held = place("uncertain-1", None).await.unwrap_err();
-    assert_eq!(held.code(), Code::Unavailable, "{held:?}");
-    assert!(held.message().contains("outcome-uncertain"), "{held:?}");
-    assert!(status_meta(&held, "retry-after").is_some());
+    for (key, code, seen) in [
+        ("uncertain-1", "13", Code::Internal),
+        ("uncertain-2", "14", Code::Unavailable),
+    ] {
+        let first = place(key, Some(code)).await.unwrap_err();
+        assert_eq!(first.code(), seen);
+        let held = place(key, None).await.unwrap_err();
+        assert_eq!(held.code(), Code::Unavailable, "{held:?}");
+        assert!(held.message().contains("outcome-uncertain"), "{held:?}");
+        assert!(status_meta(&held, "retry-after").is_some());
+    }
     assert_eq!(
         service.executions(),
-        4,
+        5,
         "the retry of an uncertain call ran"
     );
     gateway.shutdown().await;
@@ -1023,6 +1057,30 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
         streaming.message().contains("(route orders)"),
         "{streaming:?}"
     );
+
+    // No message at all, or bytes that are not whole messages: no call.
+    for body in [&b""[..], &[0, 0, 0, 0, 1, b'a', 0][..]] {
+        let answer = support::Http::h2c()
+            .send(
+                "POST",
+                &format!("http://{}/orders.Orders/Place", gateway.public_addr),
+                &[
+                    ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                    ("idempotency-key", "bad-1"),
+                ],
+                body.to_vec(),
+            )
+            .await;
+        assert_eq!(answer.header("grpc-status"), Some("3"), "{answer:?}");
+        assert!(
+            answer
+                .header("grpc-message")
+                .unwrap()
+                .contains("bad-request-body"),
+            "{answer:?}"
+        );
+    }
     assert_eq!(service.executions(), 1, "only the first Place ran");
     gateway.shutdown().await;
 }

@@ -159,3 +159,30 @@ async fn a_claim_whose_lock_wait_timed_out_is_run_again_and_answered() {
     );
     assert!(waited >= Duration::from_millis(1300), "{waited:?}");
 }
+
+/// A MySQL URL names several hosts only for a Galera cluster's nodes:
+/// servers that could each take writes alone (a primary restarted
+/// writable beside the replica promoted in its place) would split the
+/// records between them. Two names of one lone server are refused.
+#[tokio::test]
+async fn several_hosts_that_are_not_galera_nodes_are_refused() {
+    let Some(url) = services::mariadb("several_hosts_that_are_not_galera_nodes").await else {
+        return;
+    };
+    let twice = url.replacen("127.0.0.1:3306", "127.0.0.1:3306,127.0.0.1:3306", 1);
+    assert_ne!(twice, url, "{url}");
+    let refused = SqlStore::connect(&SqlSettings {
+        url: twice,
+        pool_size: 2,
+        timeout: Duration::from_secs(2),
+        tombstone: Duration::ZERO,
+        schema: None,
+        retention: Duration::from_secs(60),
+        partition_span: Duration::from_secs(60),
+    })
+    .await;
+    let Err(e) = refused else {
+        panic!("two names of one lone server were accepted")
+    };
+    assert!(e.to_string().contains("Galera"), "{e}");
+}

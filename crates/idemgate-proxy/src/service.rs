@@ -298,13 +298,17 @@ impl Proxy {
 /// record uncertain).
 fn call_deadline(headers: &mut http::HeaderMap, upstream: Duration) -> Duration {
     use idemgate_core::grpc;
+    if !grpc::is_grpc(headers) {
+        // Not a gRPC call: its `grpc-timeout` means nothing to the
+        // upstream, which would go on working past it.
+        return upstream;
+    }
     match grpc::timeout(headers) {
         Some(asked) if asked <= upstream => asked,
-        _ if grpc::is_grpc(headers) => {
+        _ => {
             headers.insert(grpc::GRPC_TIMEOUT, grpc::timeout_value(upstream));
             upstream
         }
-        _ => upstream,
     }
 }
 

@@ -50,7 +50,7 @@ use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlP
 use sqlx::{Connection, Executor, Row};
 
 use crate::StoreError;
-use crate::sql::primary::{self, Follow, Primary};
+use crate::sql::primary::{self, Follow, Member, Primary};
 use crate::sql::{Dialect, SqlSettings};
 
 /// Runs `$body` (a `Result<T, sqlx::Error>`, with `$conn` a pooled
@@ -213,6 +213,7 @@ impl MysqlSql {
         let lock_wait = lock_wait_bound(settings.timeout);
         let statement_bound = settings.timeout * 7 / 10;
         let watched = primary.clone();
+        let checked = primary.clone();
         let pool = MySqlPoolOptions::new()
             .max_connections(settings.pool_size)
             .acquire_timeout(acquire_bound(settings.timeout))
@@ -232,10 +233,12 @@ impl MysqlSql {
                 })
             })
             .after_connect(move |conn, _| {
+                let checked = checked.clone();
                 Box::pin(async move {
-                    // A node that takes no writes (read-only, or out of
-                    // its cluster's quorum) is no place for claims.
-                    if !MySql::takes_writes(conn).await? {
+                    // A node that takes no writes (read-only, out of its
+                    // cluster's quorum, not synced, of another cluster) is
+                    // no place for claims.
+                    if !checked.accepts(conn).await? {
                         return Err(primary::read_only("the server"));
                     }
                     prepare_session(conn, lock_wait, statement_bound).await
@@ -339,15 +342,24 @@ impl MysqlSql {
 }
 
 impl Follow for MySql {
-    /// Not read-only, and on a Galera node, in its cluster's primary
-    /// component (`wsrep_ready`). Two `SHOW` statements that MySQL 8 and
-    /// MariaDB both answer (`@@wsrep_on` is MariaDB's alone).
-    fn takes_writes(conn: &mut MySqlConnection) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
+    /// A MySQL URL names several hosts for a Galera cluster's nodes only:
+    /// MySQL's own replicas are not fenced when their old primary comes
+    /// back writable, so they belong behind a proxy or a name that moves.
+    const SEVERAL_HOSTS_NEED_A_CLUSTER: bool = true;
+
+    /// Not read-only (`read_only` is `OFF`: MariaDB 12 has further values
+    /// that all mean fenced), and on a Galera node, in its cluster's
+    /// primary component (`wsrep_ready`) and synced
+    /// (`wsrep_local_state` 4: not a donor, not still joining), naming its
+    /// cluster by `wsrep_cluster_state_uuid`. Two `SHOW` statements that
+    /// MySQL 8 and MariaDB both answer (`@@wsrep_on` is MariaDB's alone).
+    fn member(conn: &mut MySqlConnection) -> BoxFuture<'_, Result<Member, sqlx::Error>> {
         Box::pin(async move {
             let mut seen = std::collections::HashMap::new();
             for show in [
                 "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', 'wsrep_on')",
-                "SHOW GLOBAL STATUS WHERE Variable_name = 'wsrep_ready'",
+                "SHOW GLOBAL STATUS WHERE Variable_name IN \
+                 ('wsrep_ready', 'wsrep_local_state', 'wsrep_cluster_state_uuid')",
             ] {
                 for row in sqlx::raw_sql(show).fetch_all(&mut *conn).await? {
                     // Bytes: the server labels these columns binary.
@@ -355,12 +367,28 @@ impl Follow for MySql {
                     let value: Vec<u8> = row.try_get(1)?;
                     seen.insert(
                         String::from_utf8_lossy(&name).to_ascii_lowercase(),
-                        String::from_utf8_lossy(&value).to_ascii_uppercase(),
+                        String::from_utf8_lossy(&value).into_owned(),
                     );
                 }
             }
-            let on = |name: &str| seen.get(name).is_some_and(|v| v == "ON" || v == "1");
-            Ok(!on("read_only") && (!on("wsrep_on") || on("wsrep_ready")))
+            let is = |name: &str, values: &[&str]| {
+                seen.get(name)
+                    .is_some_and(|v| values.iter().any(|want| v.eq_ignore_ascii_case(want)))
+            };
+            let writable = is("read_only", &["OFF", "0"]);
+            let galera = is("wsrep_on", &["ON", "1"]);
+            if !galera {
+                return Ok(Member {
+                    writes: writable,
+                    cluster: None,
+                });
+            }
+            Ok(Member {
+                writes: writable
+                    && is("wsrep_ready", &["ON", "1"])
+                    && is("wsrep_local_state", &["4"]),
+                cluster: seen.get("wsrep_cluster_state_uuid").cloned(),
+            })
         })
     }
 

@@ -40,8 +40,15 @@ pub(super) type Options<DB> = <<DB as Database>::Connection as Connection>::Opti
 
 /// What following a database's primary needs of it.
 pub(super) trait Follow: Database {
-    /// Whether the server behind `conn` takes the store's writes now.
-    fn takes_writes(conn: &mut Self::Connection) -> BoxFuture<'_, Result<bool, sqlx::Error>>;
+    /// Several hosts are safe only as members of one cluster that names
+    /// itself (Galera's state UUID): servers that could each take writes
+    /// alone (an old MySQL primary restarted writable beside the replica
+    /// promoted in its place) would split the records between them.
+    const SEVERAL_HOSTS_NEED_A_CLUSTER: bool;
+
+    /// Whether the server behind `conn` takes the store's writes now, and
+    /// the cluster it says it belongs to.
+    fn member(conn: &mut Self::Connection) -> BoxFuture<'_, Result<Member, sqlx::Error>>;
 
     /// Whether an error says the server moved or went away (rather than
     /// that it is busy): a broken or refused connection, a server shutting
@@ -59,10 +66,22 @@ pub(super) trait Follow: Database {
 /// How often the watcher asks whether the pool's server still takes writes.
 pub(super) const WATCH_EVERY: Duration = Duration::from_millis(500);
 
+/// What a server says of itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Member {
+    /// It takes writes now.
+    pub(super) writes: bool,
+    /// The cluster it belongs to, where it names one.
+    pub(super) cluster: Option<String>,
+}
+
 /// What the pool's hooks and the watcher share.
 pub(super) struct Primary<DB: Follow> {
     /// Every host of the URL, each with the store's connect options.
     candidates: Vec<Options<DB>>,
+    /// With several hosts: the cluster the first server written to named.
+    /// A server of another one is never written to.
+    cluster: std::sync::Mutex<Option<String>>,
     /// Connections opened before this (ms after `started`) are closed
     /// instead of handed out: they may point at a server that moved.
     stale_before_ms: AtomicU64,
@@ -77,9 +96,53 @@ impl<DB: Follow> Primary<DB> {
                 .iter()
                 .map(|(host, port)| DB::at(base, host, *port))
                 .collect(),
+            cluster: std::sync::Mutex::new(None),
             stale_before_ms: AtomicU64::new(0),
             started: Instant::now(),
         })
+    }
+
+    /// Whether the server behind `conn` is one to write to: it takes
+    /// writes, and with several hosts, it is of the cluster the first one
+    /// written to named (one that names none is refused where
+    /// [`Follow::SEVERAL_HOSTS_NEED_A_CLUSTER`]).
+    pub(super) async fn accepts(&self, conn: &mut DB::Connection) -> Result<bool, sqlx::Error> {
+        let member = DB::member(conn).await?;
+        if !member.writes {
+            return Ok(false);
+        }
+        if self.candidates.len() < 2 {
+            return Ok(true);
+        }
+        let Some(cluster) = member.cluster else {
+            return Ok(!DB::SEVERAL_HOSTS_NEED_A_CLUSTER);
+        };
+        let mut known = self.cluster.lock().unwrap_or_else(|e| e.into_inner());
+        match &*known {
+            Some(first) if *first != cluster => {
+                tracing::error!(
+                    layer = "sql",
+                    cluster = %cluster,
+                    expected = %first,
+                    "a host of the database URL belongs to another cluster; it is not written to"
+                );
+                Ok(false)
+            }
+            Some(_) => Ok(true),
+            None => {
+                *known = Some(cluster);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Asks the server `options` name, on a connection of its own,
+    /// whether it is one to write to ([`Primary::accepts`]).
+    async fn probe(&self, options: &Options<DB>) -> Result<bool, sqlx::Error> {
+        let mut conn = options.connect().await?;
+        let accepted = self.accepts(&mut conn).await;
+        let _ = conn.close().await;
+        accepted
     }
 
     /// Whether a connection of this age was opened before the last time
@@ -103,7 +166,7 @@ impl<DB: Follow> Primary<DB> {
     pub(super) async fn find_writable(&self, within: Duration) -> Result<Options<DB>, sqlx::Error> {
         let mut last = None;
         for options in &self.candidates {
-            match tokio::time::timeout(within, probe::<DB>(options)).await {
+            match tokio::time::timeout(within, self.probe(options)).await {
                 Ok(Ok(true)) => return Ok(options.clone()),
                 Ok(Ok(false)) => {
                     let (host, port) = DB::address(options);
@@ -132,7 +195,7 @@ impl<DB: Follow> Primary<DB> {
             }
             let check = async {
                 let mut conn = pool.acquire().await?;
-                DB::takes_writes(&mut conn).await
+                self.accepts(&mut conn).await
             };
             // Moved only on evidence: a server that answers "read-only",
             // a connection that breaks or hangs, a server that refuses
@@ -146,7 +209,7 @@ impl<DB: Follow> Primary<DB> {
                 // connect until the wait runs out). Ask the server itself.
                 Ok(Err(sqlx::Error::PoolTimedOut)) => {
                     let options = pool.connect_options();
-                    match tokio::time::timeout(timeout, probe::<DB>(&options)).await {
+                    match tokio::time::timeout(timeout, self.probe(&options)).await {
                         Ok(Ok(writable)) => writable,
                         Ok(Err(e)) => !DB::is_evidence_of_a_move(&e),
                         Err(_) => true,
@@ -198,21 +261,14 @@ impl<DB: Follow> Primary<DB> {
     }
 }
 
-/// Asks the server `options` name, on a connection of its own, whether it
-/// takes writes.
-async fn probe<DB: Follow>(options: &Options<DB>) -> Result<bool, sqlx::Error> {
-    let mut conn = options.connect().await?;
-    let writable = DB::takes_writes(&mut conn).await;
-    let _ = conn.close().await;
-    writable
-}
-
 /// The error a connection to a server (`which`) that takes no writes is
 /// refused with.
 pub(super) fn read_only(which: &str) -> sqlx::Error {
     sqlx::Error::Configuration(
         format!(
-            "{which} does not take writes (a standby, or read-only): the store needs the primary"
+            "{which} is not one to write to (a standby or read-only server; a Galera node out \
+             of its quorum, not synced, or of another cluster; a MySQL URL names several hosts \
+             only for a Galera cluster's nodes): the store needs the primary"
         )
         .into(),
     )

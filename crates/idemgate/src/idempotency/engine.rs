@@ -311,14 +311,18 @@ impl Engine {
             Ok(Ok(read)) => {
                 // A unary gRPC call is one message; more is a stream, whose
                 // answer depends on how the messages interleave and cannot
-                // be replayed.
-                if idemgate_core::grpc::is_grpc(&parts.headers)
-                    && let Some(messages @ 2..) = idemgate_core::grpc::message_count(&read.0)
-                {
-                    let problem = Problem::from(&IdempotencyError::StreamingCall(messages));
-                    return Err(problem
-                        .logged(P::LAYER, format!("a gRPC call with {messages} messages"))
-                        .into_response());
+                // be replayed; none, or bytes that are not whole messages,
+                // is no call at all.
+                if idemgate_core::grpc::is_grpc(&parts.headers) {
+                    let error = match idemgate_core::grpc::message_count(&read.0) {
+                        Some(1) => return Ok(read),
+                        Some(messages @ 2..) => IdempotencyError::StreamingCall(messages),
+                        _ => IdempotencyError::BadBody(
+                            "not one length-prefixed gRPC message".to_owned(),
+                        ),
+                    };
+                    let problem = Problem::from(&error).logged(P::LAYER, error.to_string());
+                    return Err(problem.into_response());
                 }
                 return Ok(read);
             }

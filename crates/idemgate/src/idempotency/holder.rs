@@ -527,23 +527,16 @@ impl<L: Ledger> Holder<L> {
             );
             return (Write::Uncertain { hold }, response);
         }
-        // A gRPC call's outcome is its `grpc-status` (the HTTP status is
-        // 200 either way): in the headers of a trailers-only answer, else
-        // in the trailers after the messages.
-        let grpc_answer = grpc_call && response.status() == http::StatusCode::OK;
-        let status_in_head = grpc_answer
-            .then(|| grpc::status(response.headers()))
-            .flatten();
-        if let Some(code) = status_in_head
-            && let Some(write) = self.grpc_unstored(Some(code))
-        {
-            return (write, response);
-        }
+        // A gRPC answer (HTTP 200 either way, and gRPC itself: a REST
+        // route a client mislabelled answers as HTTP) is judged by its
+        // `grpc-status`, once it is read whole.
+        let grpc_answer = grpc_call
+            && response.status() == http::StatusCode::OK
+            && grpc::is_grpc(response.headers());
         if !grpc_answer && !super::outcome::is_stored(response.status()) {
             return (Write::Release, response);
         }
-        self.keep(response, grpc_answer, status_in_head, give_up)
-            .await
+        self.keep(response, grpc_answer, give_up).await
     }
 }
 
@@ -556,7 +549,6 @@ impl<L> Holder<L> {
         &mut self,
         response: Response<Body>,
         grpc_answer: bool,
-        status_in_head: Option<u32>,
         give_up: tokio::time::Instant,
     ) -> (Write, Response<Body>) {
         let hold = self.uncertain_hold;
@@ -574,13 +566,13 @@ impl<L> Holder<L> {
         let (kept, trailers, client_body) = match capture(body, cap, &mut self.share, until).await {
             Captured::Whole(bytes, trailers) => {
                 let stored = super::outcome::storable_trailers(trailers.as_ref());
-                if grpc_answer && status_in_head.is_none() {
-                    let code = trailers.as_ref().and_then(grpc::status);
-                    if let Some(write) = self.grpc_unstored(code) {
-                        self.share.shrink();
-                        let body = super::outcome::body_with_trailers(bytes, trailers);
-                        return (write, Response::from_parts(parts, body));
-                    }
+                let code = grpc_answer
+                    .then(|| grpc_status(&parts.headers, &bytes, trailers.as_ref()))
+                    .flatten();
+                if grpc_answer && let Some(write) = self.grpc_unstored(code) {
+                    self.share.shrink();
+                    let body = super::outcome::body_with_trailers(bytes, trailers);
+                    return (write, Response::from_parts(parts, body));
                 }
                 let body = super::outcome::body_with_trailers(bytes.clone(), trailers);
                 (Some(bytes), stored, body)
@@ -631,6 +623,24 @@ impl<L> Holder<L> {
                 })
             }
         }
+    }
+}
+
+/// The `grpc-status` of a whole gRPC answer: in the headers of a
+/// trailers-only answer (no messages, no trailers), else in the trailers.
+/// An answer that carries it in both places, or in its headers beside
+/// messages, says two things at once: `None`, which makes it uncertain.
+fn grpc_status(
+    head: &http::HeaderMap,
+    body: &[u8],
+    trailers: Option<&http::HeaderMap>,
+) -> Option<u32> {
+    let in_head = grpc::status(head);
+    let in_trailers = trailers.and_then(grpc::status);
+    match (in_head, in_trailers) {
+        (Some(code), None) if body.is_empty() && trailers.is_none() => Some(code),
+        (None, Some(code)) => Some(code),
+        _ => None,
     }
 }
 
@@ -713,6 +723,28 @@ impl Drop for Registered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A gRPC answer that states its status twice, or in its head beside
+    /// messages, says two things: no status, so the record is uncertain.
+    #[test]
+    fn a_grpc_status_counts_only_where_grpc_puts_it() {
+        let with = |code: &'static str| {
+            let mut h = http::HeaderMap::new();
+            h.insert("grpc-status", http::HeaderValue::from_static(code));
+            h
+        };
+        let none = http::HeaderMap::new();
+        assert_eq!(grpc_status(&with("9"), b"", None), Some(9), "trailers-only");
+        assert_eq!(grpc_status(&none, b"m", Some(&with("0"))), Some(0));
+        assert_eq!(grpc_status(&with("14"), b"m", Some(&with("0"))), None);
+        assert_eq!(grpc_status(&with("0"), b"", Some(&with("13"))), None);
+        assert_eq!(
+            grpc_status(&with("14"), b"m", None),
+            None,
+            "a head status beside messages"
+        );
+        assert_eq!(grpc_status(&none, b"m", None), None, "no status at all");
+    }
     use http::StatusCode;
     use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -42,12 +42,13 @@ pub fn is_stored(status: StatusCode) -> bool {
 pub enum GrpcMeaning {
     /// The method answered, or refused for good: recorded and replayed.
     Stored,
-    /// Refused before acting (`RESOURCE_EXHAUSTED`, `ABORTED`,
-    /// `UNAVAILABLE`, as `429`, `409` and `503`): the retry runs.
+    /// Refused before acting (`RESOURCE_EXHAUSTED`, `ABORTED`, as `429`
+    /// and `409`): the retry runs.
     Released,
     /// May have run (`UNKNOWN`, `INTERNAL`, `DEADLINE_EXCEEDED`,
-    /// `CANCELLED`, `DATA_LOSS`, any code gRPC does not define): the record
-    /// is uncertain, as after a lost connection (rule 11).
+    /// `UNAVAILABLE`, `CANCELLED`, `DATA_LOSS`, any code gRPC does not
+    /// define, or no status at all): the record is uncertain, as after a
+    /// lost connection (rule 11).
     Uncertain,
 }
 
@@ -58,29 +59,37 @@ pub fn grpc_meaning(code: u32) -> GrpcMeaning {
         // PERMISSION_DENIED, FAILED_PRECONDITION, OUT_OF_RANGE,
         // UNIMPLEMENTED, UNAUTHENTICATED
         0 | 3 | 5 | 6 | 7 | 9 | 11 | 12 | 16 => GrpcMeaning::Stored,
-        8 | 10 | 14 => GrpcMeaning::Released,
+        8 | 10 => GrpcMeaning::Released,
+        // UNAVAILABLE too: it is what a proxy in front of the service
+        // (Envoy, an Istio sidecar) answers a gRPC client for a lost or
+        // late answer — its 502, 503 and 504 — so it may mean "it ran".
         _ => GrpcMeaning::Uncertain,
     }
 }
 
-/// A whole answer body, with its trailers when it had any.
+/// A whole answer body, with its trailers when it had any. With trailers
+/// its length is left unsaid: an HTTP/1.1 client then gets it chunked,
+/// the only framing that carries trailers (hyper drops them beside a
+/// `Content-Length`).
 pub(crate) fn body_with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Body {
-    use http_body_util::BodyExt;
     match trailers {
         None => Body::from(bytes),
-        Some(trailers) => Body::new(
-            http_body_util::Full::new(bytes).with_trailers(std::future::ready(Some(Ok(trailers)))),
-        ),
+        Some(trailers) => {
+            let frames = [
+                Ok::<_, Infallible>(http_body::Frame::data(bytes)),
+                Ok(http_body::Frame::trailers(trailers)),
+            ];
+            Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+                frames,
+            )))
+        }
     }
 }
 
-/// Trailer fields as stored.
+/// Trailer fields as stored: end-to-end ones, minus `Set-Cookie`, as
+/// headers are kept.
 pub(crate) fn storable_trailers(trailers: Option<&HeaderMap>) -> Vec<(String, Vec<u8>)> {
-    trailers.map_or_else(Vec::new, |t| {
-        t.iter()
-            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
-            .collect()
-    })
+    trailers.map_or_else(Vec::new, |t| storable_headers(t, true))
 }
 
 /// What a route's upstream answers with when the action may have run but
@@ -180,7 +189,16 @@ pub fn replay(stored: StoredResponse, expires_at_ms: i64) -> Response<Body> {
         }
         map
     });
+    let announced = trailers.as_ref().map(|t| {
+        let names: Vec<&str> = t.keys().map(HeaderName::as_str).collect();
+        names.join(", ")
+    });
     let mut response = Response::new(body_with_trailers(stored.body, trailers));
+    // hyper writes to an HTTP/1.1 client only the trailer fields its
+    // head announced (RFC 9110 §6.6.2).
+    if let Some(Ok(names)) = announced.map(|n| HeaderValue::from_str(&n)) {
+        response.headers_mut().insert(header::TRAILER, names);
+    }
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     let headers = response.headers_mut();
     for (name, value) in stored.headers {

@@ -12,7 +12,7 @@ use sqlx::postgres::PgPool;
 use super::DollarSql;
 use crate::StoreError;
 use crate::held::HeldConnection;
-use crate::sql::primary::{self, Follow, Primary};
+use crate::sql::primary::{self, Follow, Member, Primary};
 use crate::sql::{SqlSettings, check_schema};
 
 /// Whether the server behind a connection takes writes: not a standby in
@@ -22,10 +22,21 @@ const TAKES_WRITES: &str = "SELECT NOT pg_is_in_recovery() \
      AND current_setting('transaction_read_only') = 'off'";
 
 impl Follow for sqlx::Postgres {
-    fn takes_writes(
+    /// libpq's own rule: the first host that takes writes.
+    const SEVERAL_HOSTS_NEED_A_CLUSTER: bool = false;
+
+    fn member(
         conn: &mut sqlx::PgConnection,
-    ) -> futures_util::future::BoxFuture<'_, Result<bool, sqlx::Error>> {
-        Box::pin(sqlx::query_scalar::<_, bool>(TAKES_WRITES).fetch_one(conn))
+    ) -> futures_util::future::BoxFuture<'_, Result<Member, sqlx::Error>> {
+        Box::pin(async move {
+            let writes = sqlx::query_scalar::<_, bool>(TAKES_WRITES)
+                .fetch_one(conn)
+                .await?;
+            Ok(Member {
+                writes,
+                cluster: None,
+            })
+        })
     }
 
     fn is_evidence_of_a_move(e: &sqlx::Error) -> bool {
@@ -149,6 +160,7 @@ pub(super) async fn connect(
         options
     };
     let watched = primary.clone();
+    let checked = primary.clone();
     let pool = PgPoolOptions::new()
         .max_connections(settings.pool_size)
         .acquire_timeout(acquire_bound(settings.timeout))
@@ -159,9 +171,10 @@ pub(super) async fn connect(
         .test_before_acquire(false)
         // A server that takes no writes (a standby a failover left, a
         // fenced primary) is no place for claims.
-        .after_connect(|conn, _| {
+        .after_connect(move |conn, _| {
+            let checked = checked.clone();
             Box::pin(async move {
-                if sqlx::Postgres::takes_writes(conn).await? {
+                if checked.accepts(conn).await? {
                     Ok(())
                 } else {
                     Err(primary::read_only("the server"))
