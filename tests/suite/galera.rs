@@ -37,6 +37,51 @@ fn assert_at_most_once(stack: &Stack, keys: usize) {
     assert!(stats.peak_copies <= 1, "peak copies {}", stats.peak_copies);
 }
 
+/// `requests` posts over `keys` keys (`/actions/g{k}`, key `key-{k}`), one
+/// every 7 ms, each taking `delay_ms` at the upstream: their answers.
+fn spread_storm(
+    stack: &Stack,
+    requests: usize,
+    keys: usize,
+    delay_ms: &'static str,
+) -> tokio::task::JoinHandle<Vec<support::Answer>> {
+    let http = stack.http.clone();
+    let base = stack.url("/actions/");
+    tokio::spawn(async move {
+        let tasks = (0..requests).map(|i| {
+            let (http, base) = (http.clone(), base.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(7 * i as u64)).await;
+                let key = format!("key-{}", i % keys);
+                http.send(
+                    "POST",
+                    &format!("{base}g{}", i % keys),
+                    &[("idempotency-key", &key), ("x-demo-delay-ms", delay_ms)],
+                    "{}",
+                )
+                .await
+            })
+        });
+        futures_util::future::join_all(tasks)
+            .await
+            .into_iter()
+            .map(|answer| answer.expect("request task panicked"))
+            .collect()
+    })
+}
+
+/// Each answer ran, replayed, waited its turn, or was refused with
+/// nothing forwarded (`503 store-unavailable`).
+fn answered_or_refused(answers: Vec<support::Answer>) {
+    for a in &answers {
+        match a.status.as_u16() {
+            200 | 201 | 409 => {}
+            503 => assert_eq!(a.problem_type(), STORE_UNAVAILABLE),
+            other => panic!("{other} {:?}", String::from_utf8_lossy(&a.body)),
+        }
+    }
+}
+
 /// Two gateways, each on its own node, take a storm of duplicates split
 /// across both: Galera certifies the conflicting claims at commit, the
 /// losers are retried and find the winner's row. One execution per key.
@@ -114,42 +159,13 @@ async fn a_galera_node_killed_mid_storm_fails_closed_then_serves_through_another
         c.server.max_connections = 1000;
     })
     .await;
-    let http = stack.http.clone();
-    let base = stack.url("/actions/");
     const KEYS: usize = 100;
     // Spread over about two seconds, so that the kill meets claims being
     // written as well as outcomes.
-    let storm = tokio::spawn(async move {
-        let tasks = (0..300).map(|i| {
-            let (http, base) = (http.clone(), base.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(7 * i as u64)).await;
-                let key = format!("key-{}", i % KEYS);
-                http.send(
-                    "POST",
-                    &format!("{base}g{}", i % KEYS),
-                    &[("idempotency-key", &key), ("x-demo-delay-ms", "300")],
-                    "{}",
-                )
-                .await
-            })
-        });
-        futures_util::future::join_all(tasks)
-            .await
-            .into_iter()
-            .map(|answer| answer.expect("request task panicked"))
-            .collect::<Vec<_>>()
-    });
+    let storm = spread_storm(&stack, 300, KEYS, "300");
     support::reached(&stack.upstream, 10).await;
     cluster.kill(0);
-    let answers = storm.await.unwrap();
-    for a in &answers {
-        match a.status.as_u16() {
-            200 | 201 | 409 => {}
-            503 => assert_eq!(a.problem_type(), STORE_UNAVAILABLE),
-            other => panic!("{other} {:?}", String::from_utf8_lossy(&a.body)),
-        }
-    }
+    answered_or_refused(storm.await.unwrap());
     assert_at_most_once(&stack, KEYS);
     // Through the second node: a fresh key runs, and every key of the storm
     // runs once its retry gets through (a claim orphaned by the kill waits
@@ -340,37 +356,12 @@ async fn a_url_naming_every_node_follows_the_cluster_past_a_cut_and_a_kill() {
         cluster.wait_synced(2, Duration::from_secs(60)).await,
         "the node did not rejoin"
     );
-    let http = stack.http.clone();
-    let base = stack.url("/actions/");
     const KEYS: usize = 50;
-    let storm = tokio::spawn(async move {
-        let tasks = (0..200).map(|i| {
-            let (http, base) = (http.clone(), base.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(7 * i as u64)).await;
-                let key = format!("key-{}", i % KEYS);
-                http.send(
-                    "POST",
-                    &format!("{base}g{}", i % KEYS),
-                    &[("idempotency-key", &key), ("x-demo-delay-ms", "200")],
-                    "{}",
-                )
-                .await
-            })
-        });
-        futures_util::future::join_all(tasks).await
-    });
+    let storm = spread_storm(&stack, 200, KEYS, "200");
     support::reached(&stack.upstream, 5).await;
     cluster.kill(0);
     let killed = std::time::Instant::now();
-    for answer in storm.await.unwrap() {
-        let a = answer.expect("request task panicked");
-        match a.status.as_u16() {
-            200 | 201 | 409 => {}
-            503 => assert_eq!(a.problem_type(), STORE_UNAVAILABLE),
-            other => panic!("{other} {:?}", String::from_utf8_lossy(&a.body)),
-        }
-    }
+    answered_or_refused(storm.await.unwrap());
     assert!(
         support::eventually(Duration::from_secs(15), serves).await,
         "the gateway never served through the last node"

@@ -383,6 +383,24 @@ async fn unary(
         .await
 }
 
+/// `Place` with `metadata`, sent again while the gateway answers
+/// `UNAVAILABLE` (the first call with its key still running): what a
+/// client's retry policy does.
+async fn until_answered(
+    client: &mut tonic::client::Grpc<tonic::transport::Channel>,
+    message: &[u8],
+    metadata: &[(&'static str, &str)],
+) -> Result<tonic::Response<Vec<u8>>, Status> {
+    loop {
+        match unary(client, "/orders.Orders/Place", message, metadata).await {
+            Err(s) if s.code() == Code::Unavailable => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 fn meta<'a>(response: &'a tonic::Response<Vec<u8>>, name: &str) -> Option<&'a str> {
     response.metadata().get(name).and_then(|v| v.to_str().ok())
 }
@@ -746,21 +764,8 @@ async fn two_gateways_run_a_call_once() {
     for i in 0..100 {
         let mut client = clients[i % 2].clone();
         calls.push(tokio::spawn(async move {
-            loop {
-                match unary(
-                    &mut client,
-                    "/orders.Orders/Place",
-                    b"order-2",
-                    &[("idempotency-key", "two-1"), ("x-delay-ms", "200")],
-                )
-                .await
-                {
-                    Err(s) if s.code() == Code::Unavailable => {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                    other => return other,
-                }
-            }
+            let metadata = [("idempotency-key", "two-1"), ("x-delay-ms", "200")];
+            until_answered(&mut client, b"order-2", &metadata).await
         }));
     }
     for call in calls {
@@ -793,21 +798,9 @@ async fn a_cancelled_call_runs_once_and_its_retry_replays_it() {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     first.abort();
-    let replayed = loop {
-        match unary(
-            &mut client,
-            "/orders.Orders/Place",
-            b"order-3",
-            &[("idempotency-key", "gone-1")],
-        )
+    let replayed = until_answered(&mut client, b"order-3", &[("idempotency-key", "gone-1")])
         .await
-        {
-            Err(s) if s.code() == Code::Unavailable => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            other => break other.unwrap(),
-        }
-    };
+        .unwrap();
     assert_eq!(replayed.get_ref(), b"placed:order-3");
     assert_eq!(meta(&replayed, "idempotent-replayed"), Some("true"));
     assert_eq!(service.executions(), 1);
@@ -986,7 +979,8 @@ async fn an_answer_too_large_to_keep_reaches_its_caller_and_is_not_run_again() {
 
 /// The gateway's own refusals reach a gRPC client as gRPC statuses
 /// naming the problem: a missing key, a reused one, an unknown route, a
-/// streaming call on a protected route, a store away.
+/// streaming call on a protected route (client streaming before it runs,
+/// server streaming once it answered), a body that is no call.
 #[tokio::test]
 async fn refusals_are_grpc_statuses_naming_the_problem() {
     let service = GrpcService::start().await;
@@ -1058,6 +1052,33 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
         "{streaming:?}"
     );
 
+    // A server-streaming call looks unary until it answers: it ran, and
+    // it is recorded and answered UNIMPLEMENTED, the same to its retry.
+    for attempt in 0..2 {
+        client.ready().await.unwrap();
+        let mut request = tonic::Request::new(b"w".to_vec());
+        request
+            .metadata_mut()
+            .insert("idempotency-key", "watch-1".parse().unwrap());
+        let answer = client
+            .server_streaming(
+                request,
+                PathAndQuery::from_static("/orders.Orders/Watch"),
+                Raw,
+            )
+            .await;
+        let refused = match answer {
+            Err(status) => status,
+            Ok(stream) => stream.into_inner().message().await.unwrap_err(),
+        };
+        assert_eq!(refused.code(), Code::Unimplemented, "{refused:?}");
+        assert!(refused.message().contains("streaming-call"), "{refused:?}");
+        assert!(refused.message().contains("ran once"), "{refused:?}");
+        let replayed = status_meta(&refused, "idempotent-replayed");
+        assert_eq!(replayed, (attempt == 1).then_some("true"), "{refused:?}");
+    }
+    assert_eq!(service.executions(), 2, "the first Place and one Watch");
+
     // No message at all, or bytes that are not whole messages: no call.
     for body in [&b""[..], &[0, 0, 0, 0, 1, b'a', 0][..]] {
         let answer = support::Http::h2c()
@@ -1081,7 +1102,7 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
             "{answer:?}"
         );
     }
-    assert_eq!(service.executions(), 1, "only the first Place ran");
+    assert_eq!(service.executions(), 2);
     gateway.shutdown().await;
 }
 

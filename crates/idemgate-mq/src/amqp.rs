@@ -28,7 +28,7 @@ mod acks;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::sessions::Deliveries;
+use crate::deliveries::Deliveries;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use lapin::message::Delivery;

@@ -32,6 +32,8 @@
 //! - [`key`]: business keys of messages, and their rows in the delivery
 //!   log.
 //! - `sessions.rs`: [`Consumers`], each broker session kept connected.
+//! - `deliveries.rs`: the deliveries a session started, and how they end
+//!   with it.
 //! - `amqp.rs` (`amqp/acks.rs`), `nats.rs`, `redis_streams.rs`: one
 //!   module per broker, each behind its feature.
 #![warn(missing_docs)]
@@ -40,6 +42,8 @@
 mod amqp;
 mod dead_letter;
 mod deliverer;
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
+mod deliveries;
 mod disposition;
 pub mod key;
 #[cfg(feature = "nats")]

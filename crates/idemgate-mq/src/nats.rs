@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::sessions::Deliveries;
+use crate::deliveries::Deliveries;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures_util::StreamExt;

@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::sessions::Deliveries;
+use crate::deliveries::Deliveries;
 use bytes::Bytes;
 use redis::Value;
 use redis::aio::MultiplexedConnection;

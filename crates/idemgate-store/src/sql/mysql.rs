@@ -202,14 +202,10 @@ impl MysqlSql {
         })?;
         let options = MySqlConnectOptions::from_str(&hosts.first).map_err(unavailable)?;
         let primary = Primary::<MySql>::new(&options, &hosts);
-        let options = if hosts.list.len() > 1 {
-            primary
-                .find_writable(settings.timeout)
-                .await
-                .map_err(unavailable)?
-        } else {
-            options
-        };
+        let options = primary
+            .first_target(options, settings.timeout)
+            .await
+            .map_err(unavailable)?;
         let lock_wait = lock_wait_bound(settings.timeout);
         let statement_bound = settings.timeout * 7 / 10;
         let watched = primary.clone();

@@ -162,6 +162,20 @@ impl<DB: Follow> Primary<DB> {
             .fetch_max(now.max(1), Ordering::Relaxed);
     }
 
+    /// Where the pool connects first: with several hosts, the first one
+    /// to write to ([`Primary::find_writable`]); with one, `options`.
+    pub(super) async fn first_target(
+        &self,
+        options: Options<DB>,
+        within: Duration,
+    ) -> Result<Options<DB>, sqlx::Error> {
+        if self.candidates.len() > 1 {
+            self.find_writable(within).await
+        } else {
+            Ok(options)
+        }
+    }
+
     /// The first host, in the URL's order, that takes writes now.
     pub(super) async fn find_writable(&self, within: Duration) -> Result<Options<DB>, sqlx::Error> {
         let mut last = None;

@@ -574,6 +574,9 @@ impl<L> Holder<L> {
                     let body = super::outcome::body_with_trailers(bytes, trailers);
                     return (write, Response::from_parts(parts, body));
                 }
+                if grpc_answer && grpc::message_count(&bytes).is_some_and(|n| n > 1) {
+                    return self.streamed_answer(parts.headers);
+                }
                 let body = super::outcome::body_with_trailers(bytes.clone(), trailers);
                 (Some(bytes), stored, body)
             }
@@ -603,6 +606,47 @@ impl<L> Holder<L> {
             Write::Complete(stored),
             Response::from_parts(parts, client_body),
         )
+    }
+
+    /// A server-streaming call on a protected route: its request looked
+    /// unary, so it was forwarded, and it ran; its answer, a stream, is not
+    /// one to replay. Recorded and answered as `UNIMPLEMENTED`
+    /// (`streaming-call`, naming the route, saying it ran once), the same
+    /// to every retry: the operator learns at the first call that the
+    /// method belongs on a route without `idempotency`, and nothing runs
+    /// twice.
+    fn streamed_answer(&self, upstream: http::HeaderMap) -> (Write, Response<Body>) {
+        let message = format!(
+            "{}streaming-call: {} (route {}); it ran once, and its stream is not kept",
+            idemgate_core::error::PROBLEM_TYPE_PREFIX,
+            Reason::StreamingCall.title(),
+            self.claim.key.route
+        );
+        tracing::error!(
+            route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
+            "a server-streaming call on a protected route ran once; its answer is recorded as UNIMPLEMENTED. Route streaming methods without idempotency"
+        );
+        let mut headers = vec![("content-type".to_owned(), b"application/grpc".to_vec())];
+        headers.extend(
+            super::outcome::storable_headers(&upstream, false)
+                .into_iter()
+                .filter(|(name, _)| !name.starts_with("grpc-") && name != "content-type"),
+        );
+        headers.push(("grpc-status".to_owned(), b"12".to_vec()));
+        headers.push(("grpc-message".to_owned(), message.into_bytes()));
+        let stored = StoredResponse {
+            status: 200,
+            headers,
+            trailers: Vec::new(),
+            body: bytes::Bytes::new(),
+            body_kept: true,
+            request_id: self.request_id.clone(),
+        };
+        let mut response = super::outcome::replay(stored.clone(), self.claim.expires_at_ms);
+        // The first answer is not a replay.
+        response.headers_mut().remove(super::IDEMPOTENT_REPLAYED);
+        response.extensions_mut().remove::<Verdict>();
+        (Write::Complete(stored), response)
     }
 
     /// What a gRPC call's status `code` means when its answer is not to be

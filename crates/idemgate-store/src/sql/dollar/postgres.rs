@@ -151,14 +151,10 @@ pub(super) async fn connect(
         None => options,
     };
     let primary = Primary::<sqlx::Postgres>::new(&options, &hosts);
-    let options = if hosts.list.len() > 1 {
-        primary
-            .find_writable(settings.timeout)
-            .await
-            .map_err(unavailable)?
-    } else {
-        options
-    };
+    let options = primary
+        .first_target(options, settings.timeout)
+        .await
+        .map_err(unavailable)?;
     let watched = primary.clone();
     let checked = primary.clone();
     let pool = PgPoolOptions::new()
