@@ -706,3 +706,85 @@ async fn an_in_memory_store_needs_the_builder_call_that_says_it_is_for_tests() {
             .is_ok()
     );
 }
+
+/// A gRPC service built with the library: a unary call through the key
+/// layer executes once and replays its trailers; a refusal, mapped with
+/// `idemgate::grpc::refusal_as_grpc` as docs/grpc.md shows, reaches the
+/// client as a gRPC status.
+#[tokio::test]
+async fn a_grpc_call_through_the_library_executes_once_and_is_refused_in_grpc() {
+    use axum::response::IntoResponse;
+    use http_body_util::BodyExt;
+
+    let idempotency = Idempotency::builder()
+        .in_memory_for_tests()
+        .build()
+        .await
+        .unwrap();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counted_calls = calls.clone();
+    let place = move || {
+        let calls = counted_calls.clone();
+        async move {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert("grpc-status", "0".parse().unwrap());
+            let frames = [
+                Ok::<_, std::convert::Infallible>(http_body::Frame::data(
+                    bytes::Bytes::from_static(b"\0\0\0\0\x02ok"),
+                )),
+                Ok(http_body::Frame::trailers(trailers)),
+            ];
+            let body = Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+                frames,
+            )));
+            ([("content-type", "application/grpc")], body).into_response()
+        }
+    };
+    let app = axum::Router::new()
+        .route(
+            "/shop.Orders/Place",
+            axum::routing::post(place).route_layer(idempotency.key_layer("place")),
+        )
+        .layer(axum::middleware::from_fn(
+            |req: Request<Body>, next: axum::middleware::Next| async move {
+                let grpc = idemgate::grpc::is_grpc(req.headers());
+                let response = next.run(req).await;
+                match grpc {
+                    true => idemgate::grpc::refusal_as_grpc(response, None),
+                    false => response,
+                }
+            },
+        ));
+    let call = |key: Option<&str>, message: &'static [u8]| {
+        let mut request = Request::post("/shop.Orders/Place")
+            .header("content-type", "application/grpc")
+            .header("te", "trailers");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let framed = [&[0u8, 0, 0, 0, message.len() as u8][..], message].concat();
+        request.body(Body::from(framed)).unwrap()
+    };
+    for attempt in 0..2 {
+        let answer = app.clone().oneshot(call(Some("g-1"), b"m")).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        let replayed = answer.headers().get("idempotent-replayed").cloned();
+        assert_eq!(replayed.is_some(), attempt == 1);
+        let whole = answer.into_body().collect().await.unwrap();
+        let trailers = whole.trailers().cloned().expect("trailers");
+        assert_eq!(trailers["grpc-status"], "0");
+        assert_eq!(&whole.to_bytes()[..], b"\0\0\0\0\x02ok");
+    }
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let reused = app
+        .clone()
+        .oneshot(call(Some("g-1"), b"other"))
+        .await
+        .unwrap();
+    assert_eq!(reused.status(), StatusCode::OK);
+    assert_eq!(reused.headers()["grpc-status"], "9");
+    let message = reused.headers()["grpc-message"].to_str().unwrap();
+    assert!(message.contains("idempotency-key-reused"), "{message}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

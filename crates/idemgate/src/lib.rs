@@ -29,6 +29,11 @@ pub mod idempotency;
 mod library;
 pub mod token;
 
+/// gRPC on the wire: a layer's refusals of a gRPC call become gRPC
+/// statuses with [`grpc::refusal_as_grpc`] (the gateway's router does this
+/// for every route; docs/grpc.md).
+pub use idemgate_core::grpc;
+
 pub use callback::CallbackPolicy;
 pub use idemgate_store::StoreError;
 pub use idempotency::{
