@@ -187,10 +187,15 @@ async fn call(seen: Arc<Seen>, req: http::Request<Incoming>) -> Result<Reply, In
                 let seen = seen.clone();
                 async move {
                     let _running = Running::start(&seen);
+                    // With `x-status`, the stream ends with that status
+                    // after its messages.
+                    let end = steer(r.metadata()).await.err().map(Err);
                     let base = r.into_inner();
-                    let items = (1..=3u8).map(move |i| {
-                        Ok::<_, Status>([base.clone(), vec![b'#', b'0' + i]].concat())
-                    });
+                    let items = (1..=3u8)
+                        .map(move |i| {
+                            Ok::<_, Status>([base.clone(), vec![b'#', b'0' + i]].concat())
+                        })
+                        .chain(end);
                     let stream: ResponseStream = Box::pin(futures_util::stream::iter(items));
                     Ok::<_, Status>(with_order(tonic::Response::new(stream)))
                 }
@@ -1053,13 +1058,25 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
     );
 
     // A server-streaming call looks unary until it answers: it ran, and
-    // it is recorded and answered UNIMPLEMENTED, the same to its retry.
-    for attempt in 0..2 {
+    // it is recorded and answered UNIMPLEMENTED, the same to its retry —
+    // also when the stream ends with a status that alone would release
+    // the call (RESOURCE_EXHAUSTED after its messages).
+    for (attempt, key, status) in [
+        (0, "watch-1", None),
+        (1, "watch-1", None),
+        (0, "watch-2", Some("8")),
+        (1, "watch-2", None),
+    ] {
         client.ready().await.unwrap();
         let mut request = tonic::Request::new(b"w".to_vec());
         request
             .metadata_mut()
-            .insert("idempotency-key", "watch-1".parse().unwrap());
+            .insert("idempotency-key", key.parse().unwrap());
+        if let Some(status) = status {
+            request
+                .metadata_mut()
+                .insert("x-status", status.parse().unwrap());
+        }
         let answer = client
             .server_streaming(
                 request,
@@ -1077,7 +1094,7 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
         let replayed = status_meta(&refused, "idempotent-replayed");
         assert_eq!(replayed, (attempt == 1).then_some("true"), "{refused:?}");
     }
-    assert_eq!(service.executions(), 2, "the first Place and one Watch");
+    assert_eq!(service.executions(), 3, "the first Place and two Watches");
 
     // No message at all, or bytes that are not whole messages: no call.
     for body in [&b""[..], &[0, 0, 0, 0, 1, b'a', 0][..]] {
@@ -1102,7 +1119,7 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
             "{answer:?}"
         );
     }
-    assert_eq!(service.executions(), 2);
+    assert_eq!(service.executions(), 3);
     gateway.shutdown().await;
 }
 

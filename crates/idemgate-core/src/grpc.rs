@@ -155,8 +155,13 @@ pub fn code_for(reason: Reason) -> Code {
     }
 }
 
-/// `text` percent-encoded as `grpc-message` wants it: every byte outside
-/// printable ASCII, and `%` itself.
+/// `text` as a `grpc-message` value: percent-encoded, every byte outside
+/// printable ASCII and `%` itself.
+pub fn message_value(text: &str) -> HeaderValue {
+    percent_encode(text)
+}
+
+/// See [`message_value`].
 fn percent_encode(text: &str) -> HeaderValue {
     let mut out = String::with_capacity(text.len());
     for byte in text.bytes() {

@@ -194,8 +194,8 @@ impl MysqlSql {
             Some(rest) => format!("mysql://{rest}"),
             None => settings.url.clone(),
         };
-        // Several hosts (a Galera cluster's nodes, a primary and its
-        // replicas): the pool follows the first that takes writes.
+        // Several hosts (a Galera cluster's nodes): the pool follows the
+        // first that takes writes.
         let hosts = primary::hosts(&url).map_err(|cause| StoreError::Unavailable {
             op: "connect",
             cause,
@@ -345,8 +345,8 @@ impl Follow for MySql {
 
     /// Not read-only (`read_only` is `OFF`: MariaDB 12 has further values
     /// that all mean fenced), and on a Galera node, in its cluster's
-    /// primary component (`wsrep_ready`) and synced
-    /// (`wsrep_local_state` 4: not a donor, not still joining), naming its
+    /// primary component (`wsrep_ready`); settled when synced
+    /// (`wsrep_local_state` 4: not a donor, not still joining); naming its
     /// cluster by `wsrep_cluster_state_uuid`. Two `SHOW` statements that
     /// MySQL 8 and MariaDB both answer (`@@wsrep_on` is MariaDB's alone).
     fn member(conn: &mut MySqlConnection) -> BoxFuture<'_, Result<Member, sqlx::Error>> {
@@ -371,18 +371,19 @@ impl Follow for MySql {
                 seen.get(name)
                     .is_some_and(|v| values.iter().any(|want| v.eq_ignore_ascii_case(want)))
             };
-            let writable = is("read_only", &["OFF", "0"]);
-            let galera = is("wsrep_on", &["ON", "1"]);
-            if !galera {
+            // Absent, as before this check existed: writable; present,
+            // only OFF is (MariaDB 12's NO_LOCK values mean fenced too).
+            let writable = !seen.contains_key("read_only") || is("read_only", &["OFF", "0"]);
+            if !is("wsrep_on", &["ON", "1"]) {
                 return Ok(Member {
                     writes: writable,
+                    settled: true,
                     cluster: None,
                 });
             }
             Ok(Member {
-                writes: writable
-                    && is("wsrep_ready", &["ON", "1"])
-                    && is("wsrep_local_state", &["4"]),
+                writes: writable && is("wsrep_ready", &["ON", "1"]),
+                settled: is("wsrep_local_state", &["4"]),
                 cluster: seen.get("wsrep_cluster_state_uuid").cloned(),
             })
         })

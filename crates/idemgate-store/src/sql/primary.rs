@@ -1,5 +1,5 @@
 //! Following the primary through a failover (Postgres), or the cluster
-//! through a node's loss (a Galera cluster, MySQL with a promoted replica).
+//! through a node's loss (a Galera cluster).
 //!
 //! A claim is a write, so only a server that takes writes will do. The
 //! database URL may name several hosts, as libpq's do
@@ -71,6 +71,10 @@ pub(super) const WATCH_EVERY: Duration = Duration::from_millis(500);
 pub(super) struct Member {
     /// It takes writes now.
     pub(super) writes: bool,
+    /// It is fully caught up (a Galera node synced, not a donor or still
+    /// joining). With several hosts only such a one is chosen; with one,
+    /// a node that takes writes will do.
+    pub(super) settled: bool,
     /// The cluster it belongs to, where it names one.
     pub(super) cluster: Option<String>,
 }
@@ -113,6 +117,9 @@ impl<DB: Follow> Primary<DB> {
         }
         if self.candidates.len() < 2 {
             return Ok(true);
+        }
+        if !member.settled {
+            return Ok(false);
         }
         let Some(cluster) = member.cluster else {
             return Ok(!DB::SEVERAL_HOSTS_NEED_A_CLUSTER);
@@ -169,11 +176,47 @@ impl<DB: Follow> Primary<DB> {
         options: Options<DB>,
         within: Duration,
     ) -> Result<Options<DB>, sqlx::Error> {
-        if self.candidates.len() > 1 {
-            self.find_writable(within).await
-        } else {
-            Ok(options)
+        if self.candidates.len() < 2 {
+            return Ok(options);
         }
+        self.one_cluster(within).await?;
+        self.find_writable(within).await
+    }
+
+    /// At start-up, with several hosts: every host that answers names one
+    /// cluster, or none is written to (a node of a stale, separately
+    /// started cluster listed beside the real one would split the
+    /// records). Hosts that do not answer are skipped.
+    async fn one_cluster(&self, within: Duration) -> Result<(), sqlx::Error> {
+        let mut named: Vec<(String, String)> = Vec::new();
+        for options in &self.candidates {
+            let asked = async {
+                let mut conn = options.connect().await?;
+                let member = DB::member(&mut conn).await;
+                let _ = conn.close().await;
+                member
+            };
+            if let Ok(Ok(Member {
+                cluster: Some(cluster),
+                ..
+            })) = tokio::time::timeout(within, asked).await
+            {
+                let (host, port) = DB::address(options);
+                named.push((format!("{host}:{port}"), cluster));
+            }
+        }
+        if let Some((first_host, first)) = named.first()
+            && let Some((host, other)) = named.iter().find(|(_, c)| c != first)
+        {
+            return Err(sqlx::Error::Configuration(
+                format!(
+                    "the hosts of the database URL belong to different clusters \
+                     ({first_host}: {first}, {host}: {other}); list one cluster's nodes"
+                )
+                .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// The first host, in the URL's order, that takes writes now.

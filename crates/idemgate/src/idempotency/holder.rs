@@ -565,7 +565,15 @@ impl<L> Holder<L> {
         let cap = self.max_stored_body_bytes;
         let (kept, trailers, client_body) = match capture(body, cap, &mut self.share, until).await {
             Captured::Whole(bytes, trailers) => {
+                // Connection-specific fields have no place in trailers;
+                // HTTP/2 would reset the stream that carried them.
+                let trailers = trailers.map(super::outcome::end_to_end);
                 let stored = super::outcome::storable_trailers(trailers.as_ref());
+                // Several messages: a stream, which ran whatever its status.
+                if grpc_answer && grpc::message_count(&bytes).is_some_and(|n| n > 1) {
+                    self.share.shrink();
+                    return self.streamed_answer(parts.headers);
+                }
                 let code = grpc_answer
                     .then(|| grpc_status(&parts.headers, &bytes, trailers.as_ref()))
                     .flatten();
@@ -573,9 +581,6 @@ impl<L> Holder<L> {
                     self.share.shrink();
                     let body = super::outcome::body_with_trailers(bytes, trailers);
                     return (write, Response::from_parts(parts, body));
-                }
-                if grpc_answer && grpc::message_count(&bytes).is_some_and(|n| n > 1) {
-                    return self.streamed_answer(parts.headers);
                 }
                 let body = super::outcome::body_with_trailers(bytes.clone(), trailers);
                 (Some(bytes), stored, body)
@@ -616,12 +621,12 @@ impl<L> Holder<L> {
     /// method belongs on a route without `idempotency`, and nothing runs
     /// twice.
     fn streamed_answer(&self, upstream: http::HeaderMap) -> (Write, Response<Body>) {
-        let message = format!(
+        let message = grpc::message_value(&format!(
             "{}streaming-call: {} (route {}); it ran once, and its stream is not kept",
             idemgate_core::error::PROBLEM_TYPE_PREFIX,
             Reason::StreamingCall.title(),
             self.claim.key.route
-        );
+        ));
         tracing::error!(
             route = %self.claim.key.route, key = %self.claim.key.escaped(), layer = self.layer,
             "a server-streaming call on a protected route ran once; its answer is recorded as UNIMPLEMENTED. Route streaming methods without idempotency"
@@ -633,7 +638,7 @@ impl<L> Holder<L> {
                 .filter(|(name, _)| !name.starts_with("grpc-") && name != "content-type"),
         );
         headers.push(("grpc-status".to_owned(), b"12".to_vec()));
-        headers.push(("grpc-message".to_owned(), message.into_bytes()));
+        headers.push(("grpc-message".to_owned(), message.as_bytes().to_vec()));
         let stored = StoredResponse {
             status: 200,
             headers,

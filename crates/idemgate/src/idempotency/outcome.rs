@@ -86,6 +86,19 @@ pub(crate) fn body_with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> B
     }
 }
 
+/// `fields` without the connection-specific ones (RFC 9110 §7.6.1).
+pub(crate) fn end_to_end(mut fields: HeaderMap) -> HeaderMap {
+    let doomed: Vec<HeaderName> = fields
+        .keys()
+        .filter(|n| is_hop_by_hop(n))
+        .cloned()
+        .collect();
+    for name in doomed {
+        fields.remove(name);
+    }
+    fields
+}
+
 /// Trailer fields as stored: end-to-end ones, minus `Set-Cookie`, as
 /// headers are kept.
 pub(crate) fn storable_trailers(trailers: Option<&HeaderMap>) -> Vec<(String, Vec<u8>)> {

@@ -34,6 +34,7 @@ impl Follow for sqlx::Postgres {
                 .await?;
             Ok(Member {
                 writes,
+                settled: true,
                 cluster: None,
             })
         })
