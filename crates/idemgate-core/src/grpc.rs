@@ -158,11 +158,6 @@ pub fn code_for(reason: Reason) -> Code {
 /// `text` as a `grpc-message` value: percent-encoded, every byte outside
 /// printable ASCII and `%` itself.
 pub fn message_value(text: &str) -> HeaderValue {
-    percent_encode(text)
-}
-
-/// See [`message_value`].
-fn percent_encode(text: &str) -> HeaderValue {
     let mut out = String::with_capacity(text.len());
     for byte in text.bytes() {
         if (0x20..=0x7e).contains(&byte) && byte != b'%' {
@@ -198,7 +193,7 @@ pub fn refusal_as_grpc(response: Response<Body>, route: Option<&str>) -> Respons
         .insert(GRPC_STATUS, HeaderValue::from(code_for(reason) as u16));
     parts.headers.insert(
         GRPC_MESSAGE,
-        percent_encode(&match route {
+        message_value(&match route {
             Some(route) => format!(
                 "{PROBLEM_TYPE_PREFIX}{}: {} (route {route})",
                 reason.slug(),
@@ -310,6 +305,6 @@ mod tests {
         assert_eq!(code_for(Reason::UpstreamBroken), Code::Unknown);
         assert_eq!(code_for(Reason::IdentityInvalid), Code::Unauthenticated);
         assert_eq!(code_for(Reason::StreamingCall), Code::Unimplemented);
-        assert_eq!(percent_encode("a%b\né"), "a%25b%0A%C3%A9");
+        assert_eq!(message_value("a%b\né"), "a%25b%0A%C3%A9");
     }
 }

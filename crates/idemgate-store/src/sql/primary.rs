@@ -111,18 +111,22 @@ impl<DB: Follow> Primary<DB> {
     /// written to named (one that names none is refused where
     /// [`Follow::SEVERAL_HOSTS_NEED_A_CLUSTER`]).
     pub(super) async fn accepts(&self, conn: &mut DB::Connection) -> Result<bool, sqlx::Error> {
-        let member = DB::member(conn).await?;
+        Ok(self.admits(DB::member(conn).await?))
+    }
+
+    /// See [`Primary::accepts`]: what a server said of itself decides.
+    fn admits(&self, member: Member) -> bool {
         if !member.writes {
-            return Ok(false);
+            return false;
         }
         if self.candidates.len() < 2 {
-            return Ok(true);
+            return true;
         }
         if !member.settled {
-            return Ok(false);
+            return false;
         }
         let Some(cluster) = member.cluster else {
-            return Ok(!DB::SEVERAL_HOSTS_NEED_A_CLUSTER);
+            return !DB::SEVERAL_HOSTS_NEED_A_CLUSTER;
         };
         let mut known = self.cluster.lock().unwrap_or_else(|e| e.into_inner());
         match &*known {
@@ -133,12 +137,12 @@ impl<DB: Follow> Primary<DB> {
                     expected = %first,
                     "a host of the database URL belongs to another cluster; it is not written to"
                 );
-                Ok(false)
+                false
             }
-            Some(_) => Ok(true),
+            Some(_) => true,
             None => {
                 *known = Some(cluster);
-                Ok(true)
+                true
             }
         }
     }
@@ -146,10 +150,7 @@ impl<DB: Follow> Primary<DB> {
     /// Asks the server `options` name, on a connection of its own,
     /// whether it is one to write to ([`Primary::accepts`]).
     async fn probe(&self, options: &Options<DB>) -> Result<bool, sqlx::Error> {
-        let mut conn = options.connect().await?;
-        let accepted = self.accepts(&mut conn).await;
-        let _ = conn.close().await;
-        accepted
+        Ok(self.admits(ask::<DB>(options).await?))
     }
 
     /// Whether a connection of this age was opened before the last time
@@ -169,8 +170,12 @@ impl<DB: Follow> Primary<DB> {
             .fetch_max(now.max(1), Ordering::Relaxed);
     }
 
-    /// Where the pool connects first: with several hosts, the first one
-    /// to write to ([`Primary::find_writable`]); with one, `options`.
+    /// Where the pool connects first: with several hosts, the first, in
+    /// the URL's order, to write to; with one, `options`. The hosts are
+    /// asked all at once, each once, within `within`; every one that
+    /// answers must name one cluster, or none is written to (a node of a
+    /// stale, separately started cluster listed beside the real one would
+    /// split the records). Hosts that do not answer are skipped.
     pub(super) async fn first_target(
         &self,
         options: Options<DB>,
@@ -179,44 +184,46 @@ impl<DB: Follow> Primary<DB> {
         if self.candidates.len() < 2 {
             return Ok(options);
         }
-        self.one_cluster(within).await?;
-        self.find_writable(within).await
-    }
-
-    /// At start-up, with several hosts: every host that answers names one
-    /// cluster, or none is written to (a node of a stale, separately
-    /// started cluster listed beside the real one would split the
-    /// records). Hosts that do not answer are skipped.
-    async fn one_cluster(&self, within: Duration) -> Result<(), sqlx::Error> {
-        let mut named: Vec<(String, String)> = Vec::new();
-        for options in &self.candidates {
-            let asked = async {
-                let mut conn = options.connect().await?;
-                let member = DB::member(&mut conn).await;
-                let _ = conn.close().await;
-                member
-            };
-            if let Ok(Ok(Member {
-                cluster: Some(cluster),
-                ..
-            })) = tokio::time::timeout(within, asked).await
-            {
-                let (host, port) = DB::address(options);
-                named.push((format!("{host}:{port}"), cluster));
+        let asked = self.candidates.iter().map(|options| async move {
+            match tokio::time::timeout(within, ask::<DB>(options)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(sqlx::Error::PoolTimedOut),
             }
-        }
+        });
+        let answers = futures_util::future::join_all(asked).await;
+        let named: Vec<(&Options<DB>, &String)> = self
+            .candidates
+            .iter()
+            .zip(&answers)
+            .filter_map(|(options, answer)| {
+                Some((options, answer.as_ref().ok()?.cluster.as_ref()?))
+            })
+            .collect();
         if let Some((first_host, first)) = named.first()
             && let Some((host, other)) = named.iter().find(|(_, c)| c != first)
         {
+            let (a, b) = (DB::address(first_host), DB::address(host));
             return Err(sqlx::Error::Configuration(
                 format!(
                     "the hosts of the database URL belong to different clusters \
-                     ({first_host}: {first}, {host}: {other}); list one cluster's nodes"
+                     ({}:{}: {first}, {}:{}: {other}); list one cluster's nodes",
+                    a.0, a.1, b.0, b.1
                 )
                 .into(),
             ));
         }
-        Ok(())
+        let mut last = None;
+        for (options, answer) in self.candidates.iter().zip(answers) {
+            match answer.map(|member| self.admits(member)) {
+                Ok(true) => return Ok(options.clone()),
+                Ok(false) => {
+                    let (host, port) = DB::address(options);
+                    last = Some(read_only(&format!("{host}:{port}")));
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or(sqlx::Error::PoolTimedOut))
     }
 
     /// The first host, in the URL's order, that takes writes now.
@@ -316,6 +323,15 @@ impl<DB: Follow> Primary<DB> {
             }
         }
     }
+}
+
+/// What the server `options` name says of itself, on a connection of its
+/// own.
+async fn ask<DB: Follow>(options: &Options<DB>) -> Result<Member, sqlx::Error> {
+    let mut conn = options.connect().await?;
+    let member = DB::member(&mut conn).await;
+    let _ = conn.close().await;
+    member
 }
 
 /// The error a connection to a server (`which`) that takes no writes is

@@ -188,39 +188,37 @@ pub(crate) fn storable_headers(
         .collect()
 }
 
-/// The stored outcome as a response, with the record's expiry.
-pub fn replay(stored: StoredResponse, expires_at_ms: i64) -> Response<Body> {
-    let trailers = (!stored.trailers.is_empty()).then(|| {
-        let mut map = HeaderMap::with_capacity(stored.trailers.len());
-        for (name, value) in &stored.trailers {
-            if let (Ok(name), Ok(value)) = (
-                HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_bytes(value),
-            ) {
-                map.append(name, value);
-            }
-        }
-        map
-    });
-    let announced = trailers.as_ref().map(|t| {
-        let names: Vec<&str> = t.keys().map(HeaderName::as_str).collect();
-        names.join(", ")
-    });
-    let mut response = Response::new(body_with_trailers(stored.body, trailers));
-    // hyper writes to an HTTP/1.1 client only the trailer fields its
-    // head announced (RFC 9110 §6.6.2).
-    if let Some(Ok(names)) = announced.map(|n| HeaderValue::from_str(&n)) {
-        response.headers_mut().insert(header::TRAILER, names);
-    }
-    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
-    let headers = response.headers_mut();
-    for (name, value) in stored.headers {
+/// Appends stored fields to `map`, skipping any that no longer parse.
+fn append_fields(map: &mut HeaderMap, fields: Vec<(String, Vec<u8>)>) {
+    for (name, value) in fields {
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_bytes(&value),
         ) {
-            headers.append(name, value);
+            map.append(name, value);
         }
+    }
+}
+
+/// The stored outcome as a response, with the record's expiry.
+pub fn replay(stored: StoredResponse, expires_at_ms: i64) -> Response<Body> {
+    let trailers = (!stored.trailers.is_empty()).then(|| {
+        let mut map = HeaderMap::with_capacity(stored.trailers.len());
+        append_fields(&mut map, stored.trailers);
+        map
+    });
+    // hyper writes to an HTTP/1.1 client only the trailer fields its head
+    // announced (RFC 9110 §6.6.2).
+    let announced = trailers.as_ref().and_then(|t| {
+        let names: Vec<&str> = t.keys().map(HeaderName::as_str).collect();
+        HeaderValue::from_str(&names.join(", ")).ok()
+    });
+    let mut response = Response::new(body_with_trailers(stored.body, trailers));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let headers = response.headers_mut();
+    append_fields(headers, stored.headers);
+    if let Some(names) = announced {
+        headers.insert(header::TRAILER, names);
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     if !stored.body_kept {
