@@ -528,7 +528,8 @@ fn tokio_stream_from(
 
 /// The service learns the gateway's deadline: a call without
 /// `grpc-timeout`, or with a longer one, is sent with the upstream's
-/// `timeout`; a shorter one goes as it came.
+/// `timeout`; a shorter one goes as the gateway keeps it, one value
+/// (several are read as the shortest).
 #[tokio::test]
 async fn the_service_is_told_the_deadline_the_gateway_keeps() {
     let service = GrpcService::start().await;
@@ -560,7 +561,23 @@ async fn the_service_is_told_the_deadline_the_gateway_keeps() {
     )
     .await
     .unwrap();
-    assert_eq!(timeout_seen(&service).as_deref(), Some("700m"));
+    assert_eq!(timeout_seen(&service).as_deref(), Some("700000u"), "700 ms");
+    // Two values: the shortest is kept, and only it reaches the service.
+    let two = support::Http::h2c()
+        .send(
+            "POST",
+            &format!("http://{}/shop.Orders/Place", gateway.public_addr),
+            &[
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                ("grpc-timeout", "900m"),
+                ("grpc-timeout", "1H"),
+            ],
+            [&[0u8, 0, 0, 0, 1][..], b"t"].concat(),
+        )
+        .await;
+    assert_eq!(two.status, 200, "{two:?}");
+    assert_eq!(timeout_seen(&service).as_deref(), Some("900000u"));
     // A request that is not a gRPC call: its `grpc-timeout` binds nothing.
     let plain = support::Http::h2c()
         .send(
@@ -813,10 +830,11 @@ async fn a_cancelled_call_runs_once_and_its_retry_replays_it() {
 }
 
 /// The gRPC status decides the record: a status the method answered for
-/// good is replayed with its trailing metadata; `RESOURCE_EXHAUSTED` (it
-/// did not act) lets the retry run; `INTERNAL`, and `UNAVAILABLE` (what
-/// Envoy answers for a lost or late answer), may mean it acted: the retry
-/// is held as uncertain.
+/// good is replayed with its trailing metadata; `ABORTED` (it did not
+/// act) lets the retry run; `INTERNAL`, `UNAVAILABLE` (what Envoy answers
+/// for a lost or late answer) and `RESOURCE_EXHAUSTED` (an answer over
+/// the server's limit, made after acting) may mean it acted: the retry is
+/// held as uncertain.
 #[tokio::test]
 async fn the_grpc_status_decides_stored_released_or_uncertain() {
     let service = GrpcService::start().await;
@@ -842,8 +860,8 @@ async fn the_grpc_status_decides_stored_released_or_uncertain() {
     assert_eq!(status_meta(&replayed, "idempotent-replayed"), Some("true"));
     assert_eq!(service.executions(), 1);
 
-    let exhausted = place("released-1", Some("8")).await.unwrap_err();
-    assert_eq!(exhausted.code(), Code::ResourceExhausted);
+    let aborted = place("released-1", Some("10")).await.unwrap_err();
+    assert_eq!(aborted.code(), Code::Aborted);
     let ran = place("released-1", None).await.unwrap();
     assert_eq!(ran.get_ref(), b"placed:m");
     assert_eq!(meta(&ran, "idempotent-replayed"), None);
@@ -852,6 +870,7 @@ async fn the_grpc_status_decides_stored_released_or_uncertain() {
     for (key, code, seen) in [
         ("uncertain-1", "13", Code::Internal),
         ("uncertain-2", "14", Code::Unavailable),
+        ("uncertain-3", "8", Code::ResourceExhausted),
     ] {
         let first = place(key, Some(code)).await.unwrap_err();
         assert_eq!(first.code(), seen);
@@ -862,7 +881,7 @@ async fn the_grpc_status_decides_stored_released_or_uncertain() {
     }
     assert_eq!(
         service.executions(),
-        5,
+        6,
         "the retry of an uncertain call ran"
     );
     gateway.shutdown().await;
@@ -1060,11 +1079,11 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
     // A server-streaming call looks unary until it answers: it ran, and
     // it is recorded and answered UNIMPLEMENTED, the same to its retry —
     // also when the stream ends with a status that alone would release
-    // the call (RESOURCE_EXHAUSTED after its messages).
+    // the call (ABORTED after its messages).
     for (attempt, key, status) in [
         (0, "watch-1", None),
         (1, "watch-1", None),
-        (0, "watch-2", Some("8")),
+        (0, "watch-2", Some("10")),
         (1, "watch-2", None),
     ] {
         client.ready().await.unwrap();

@@ -52,10 +52,13 @@ pub enum Code {
 /// Whether a request is a gRPC call: `content-type: application/grpc`,
 /// alone or with a `+codec` or parameters. gRPC-Web (`application/grpc-web`)
 /// is not: its trailers travel in the body, so it is plain HTTP here.
+/// Any of several `content-type` values counts, as gRPC servers read
+/// them: a request the service takes for a gRPC call is one here too.
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| is_grpc_type(v.as_bytes()))
+        .get_all(header::CONTENT_TYPE)
+        .iter()
+        .any(|v| is_grpc_type(v.as_bytes()))
 }
 
 fn is_grpc_type(value: &[u8]) -> bool {
@@ -66,10 +69,17 @@ fn is_grpc_type(value: &[u8]) -> bool {
 }
 
 /// The call's `grpc-timeout` (`TimeoutValue TimeoutUnit`: at most eight
-/// digits, then `H`, `M`, `S`, `m`, `u` or `n`); `None` when absent or
-/// malformed (a malformed one is left for the service to refuse).
+/// digits, then `H`, `M`, `S`, `m`, `u` or `n`): the shortest well-formed
+/// value when several are sent; `None` when there is none.
 pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
-    let text = headers.get(GRPC_TIMEOUT)?.as_bytes();
+    headers
+        .get_all(GRPC_TIMEOUT)
+        .iter()
+        .filter_map(|v| parse_timeout(v.as_bytes()))
+        .min()
+}
+
+fn parse_timeout(text: &[u8]) -> Option<Duration> {
     let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
     if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
         return None;
@@ -223,6 +233,16 @@ mod tests {
         assert!(!with("application/grpc-web"));
         assert!(!with("application/grpc-web+proto"));
         assert!(!with("application/json"));
+        let mut two = HeaderMap::new();
+        two.append(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        two.append(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        assert!(is_grpc(&two), "any value counts, as the service reads it");
         assert!(!is_grpc(&HeaderMap::new()));
     }
 
@@ -234,6 +254,10 @@ mod tests {
             timeout(&h)
         };
         assert_eq!(read("1H"), Some(Duration::from_secs(3600)));
+        let mut two = HeaderMap::new();
+        two.append(GRPC_TIMEOUT, HeaderValue::from_static("1S"));
+        two.append(GRPC_TIMEOUT, HeaderValue::from_static("1H"));
+        assert_eq!(timeout(&two), Some(Duration::from_secs(1)), "the shortest");
         assert_eq!(read("2M"), Some(Duration::from_secs(120)));
         assert_eq!(read("3S"), Some(Duration::from_secs(3)));
         assert_eq!(read("250m"), Some(Duration::from_millis(250)));

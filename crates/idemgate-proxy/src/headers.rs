@@ -12,7 +12,8 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Whether the gateway sets `name` for the upstream itself (the stable
-/// `Idempotency-Key`, `X-Request-Id`, `X-Forwarded-*`, `Forwarded`, and
+/// `Idempotency-Key`, `X-Request-Id`, `X-Forwarded-*`, `Forwarded`, a gRPC
+/// call's `grpc-timeout`, and
 /// with traces on `traceparent` and `tracestate`). By the
 /// time the request is written these hold the gateway's values, not the
 /// client's, so a client's `Connection` must never name them away (docs/semantics.md,
@@ -22,6 +23,7 @@ fn is_set_by_gateway(name: &HeaderName) -> bool {
         || matches!(
             name.as_str(),
             "idempotency-key"
+                | "grpc-timeout"
                 | "x-request-id"
                 | "x-forwarded-for"
                 | "x-forwarded-proto"

@@ -303,13 +303,10 @@ fn call_deadline(headers: &mut http::HeaderMap, upstream: Duration) -> Duration 
         // upstream, which would go on working past it.
         return upstream;
     }
-    match grpc::timeout(headers) {
-        Some(asked) if asked <= upstream => asked,
-        _ => {
-            headers.insert(grpc::GRPC_TIMEOUT, grpc::timeout_value(upstream));
-            upstream
-        }
-    }
+    let deadline = grpc::timeout(headers).map_or(upstream, |asked| asked.min(upstream));
+    // One value, the one kept: several would let the service read another.
+    headers.insert(grpc::GRPC_TIMEOUT, grpc::timeout_value(deadline));
+    deadline
 }
 
 impl Proxy {

@@ -157,6 +157,7 @@ fn size_of(entry: &FastEntry) -> usize {
             let headers: usize = response
                 .headers
                 .iter()
+                .chain(&response.trailers)
                 .map(|(n, v)| n.len() + v.len() + 48)
                 .sum();
             fixed + fingerprint.len() + response.body.len() + headers + response.request_id.len()

@@ -184,13 +184,7 @@ impl<DB: Follow> Primary<DB> {
         if self.candidates.len() < 2 {
             return Ok(options);
         }
-        let asked = self.candidates.iter().map(|options| async move {
-            match tokio::time::timeout(within, ask::<DB>(options)).await {
-                Ok(answer) => answer,
-                Err(_) => Err(sqlx::Error::PoolTimedOut),
-            }
-        });
-        let answers = futures_util::future::join_all(asked).await;
+        let answers = self.ask_all(within).await;
         let named: Vec<(&Options<DB>, &String)> = self
             .candidates
             .iter()
@@ -212,6 +206,26 @@ impl<DB: Follow> Primary<DB> {
                 .into(),
             ));
         }
+        self.first_admitted(answers)
+    }
+
+    /// Every host's answer, asked all at once, each within `within`: a
+    /// host that is down costs one bound, not one each.
+    async fn ask_all(&self, within: Duration) -> Vec<Result<Member, sqlx::Error>> {
+        let asked = self.candidates.iter().map(|options| async move {
+            match tokio::time::timeout(within, ask::<DB>(options)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(sqlx::Error::PoolTimedOut),
+            }
+        });
+        futures_util::future::join_all(asked).await
+    }
+
+    /// The first host, in the URL's order, whose answer admits it.
+    fn first_admitted(
+        &self,
+        answers: Vec<Result<Member, sqlx::Error>>,
+    ) -> Result<Options<DB>, sqlx::Error> {
         let mut last = None;
         for (options, answer) in self.candidates.iter().zip(answers) {
             match answer.map(|member| self.admits(member)) {
@@ -228,19 +242,8 @@ impl<DB: Follow> Primary<DB> {
 
     /// The first host, in the URL's order, that takes writes now.
     pub(super) async fn find_writable(&self, within: Duration) -> Result<Options<DB>, sqlx::Error> {
-        let mut last = None;
-        for options in &self.candidates {
-            match tokio::time::timeout(within, self.probe(options)).await {
-                Ok(Ok(true)) => return Ok(options.clone()),
-                Ok(Ok(false)) => {
-                    let (host, port) = DB::address(options);
-                    last = Some(read_only(&format!("{host}:{port}")))
-                }
-                Ok(Err(e)) => last = Some(e),
-                Err(_) => last = Some(sqlx::Error::PoolTimedOut),
-            }
-        }
-        Err(last.unwrap_or(sqlx::Error::PoolTimedOut))
+        let answers = self.ask_all(within).await;
+        self.first_admitted(answers)
     }
 
     /// Watches `pool` until `alive` says the store is gone: see the module

@@ -42,11 +42,10 @@ pub fn is_stored(status: StatusCode) -> bool {
 pub enum GrpcMeaning {
     /// The method answered, or refused for good: recorded and replayed.
     Stored,
-    /// Refused before acting (`RESOURCE_EXHAUSTED`, `ABORTED`, as `429`
-    /// and `409`): the retry runs.
+    /// Refused before acting (`ABORTED`, as `409`): the retry runs.
     Released,
     /// May have run (`UNKNOWN`, `INTERNAL`, `DEADLINE_EXCEEDED`,
-    /// `UNAVAILABLE`, `CANCELLED`, `DATA_LOSS`, any code gRPC does not
+    /// `UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `CANCELLED`, `DATA_LOSS`, any code gRPC does not
     /// define, or no status at all): the record is uncertain, as after a
     /// lost connection (rule 11).
     Uncertain,
@@ -59,10 +58,12 @@ pub fn grpc_meaning(code: u32) -> GrpcMeaning {
         // PERMISSION_DENIED, FAILED_PRECONDITION, OUT_OF_RANGE,
         // UNIMPLEMENTED, UNAUTHENTICATED
         0 | 3 | 5 | 6 | 7 | 9 | 11 | 12 | 16 => GrpcMeaning::Stored,
-        8 | 10 => GrpcMeaning::Released,
+        10 => GrpcMeaning::Released,
         // UNAVAILABLE too: it is what a proxy in front of the service
         // (Envoy, an Istio sidecar) answers a gRPC client for a lost or
-        // late answer — its 502, 503 and 504 — so it may mean "it ran".
+        // late answer — its 502, 503 and 504 — so it may mean "it ran";
+        // and RESOURCE_EXHAUSTED, which a server sends when the answer
+        // it made after acting is over its message limit.
         _ => GrpcMeaning::Uncertain,
     }
 }
