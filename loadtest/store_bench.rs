@@ -6,7 +6,7 @@
 //!
 //! `cargo run --release --example store_bench -- URL SECONDS C1,C2,… [sweep]`
 //!
-//! With `sweep`, one sweep (`sweep::sweep_once`, as `idemgate sweep` runs
+//! With `sweep`, one sweep (`idemgate_store::sweep_once`, as `idemgate sweep` runs
 //! it) starts with each level, and the level runs until it has finished
 //! (at least SECONDS): the line then says how long the sweep took and what
 //! the claims did meanwhile. Each line carries the cycles' p50 and p99.
@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idemgate_core::metrics::Metrics;
-use idemgate_store::sql::{SqlSettings, SqlStore};
-use idemgate_store::{Claim, RecordKey, Store, StoreSettings, StoredResponse, sweep};
+use idemgate_store::testing::StoreSettings;
+use idemgate_store::{Claim, RecordKey, Store, StoredResponse};
+use idemgate_store::{SqlSettings, SqlStore};
 
 /// The gateway's defaults: a day's retention, one partition a day.
 const RETENTION: Duration = Duration::from_secs(24 * 3600);
@@ -44,7 +45,7 @@ async fn main() {
         tombstone: Duration::ZERO,
         schema: None,
         retention: RETENTION,
-        partition_span: idemgate_store::sql::partition_span(
+        partition_span: idemgate_store::testing::partition_span(
             RETENTION,
             idemgate_store::DEFAULT_SWEEP_INTERVAL,
         ),
@@ -56,7 +57,9 @@ async fn main() {
         // `store_bench URL 0 ""`: migrate only; `… 0 "" sweep`: one sweep.
         if beside_sweep {
             let started = Instant::now();
-            let removed = sweep::sweep_once(&sql, false).await.expect("sweep");
+            let removed = idemgate_store::sweep_once(&sql, false)
+                .await
+                .expect("sweep");
             println!(
                 "sweep alone: removed {removed} in {:.2}s",
                 started.elapsed().as_secs_f64()
@@ -88,7 +91,9 @@ async fn main() {
         let sweeping = beside_sweep.then(|| {
             let sql = sql.clone();
             tokio::spawn(async move {
-                let removed = sweep::sweep_once(&sql, false).await.expect("sweep");
+                let removed = idemgate_store::sweep_once(&sql, false)
+                    .await
+                    .expect("sweep");
                 (removed, started.elapsed())
             })
         });

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use idemgate_gateway::config::Config;
-use idemgate_store::sql::{Dialect, SqlSettings, SqlStore};
+use idemgate_store::{Dialect, SqlSettings, SqlStore};
 
 /// How long `check-config` tries to reach the database.
 const REACH_WITHIN: Duration = Duration::from_secs(3);

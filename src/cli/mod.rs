@@ -111,7 +111,7 @@ pub fn idemgate() -> ExitCode {
         }),
         Command::Sweep => run_to_exit("idemgate", async move {
             let store = open_store(&config).await?;
-            let n = idemgate_store::sweep::sweep_once(store.sql(), config.store.archive)
+            let n = idemgate_store::sweep_once(store.sql(), config.store.archive)
                 .await
                 .map_err(|e| e.to_string())?;
             let verb = if config.store.archive {

@@ -7,7 +7,7 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use idemgate_store::sql::{SqlSettings, SqlStore};
+use idemgate_store::{SqlSettings, SqlStore};
 use support::Stack;
 use support::pg_private::{MovingFront, PrivatePostgres};
 

@@ -8,8 +8,8 @@ use crate::support;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use idemgate_store::sql::{SqlSettings, SqlStore};
 use idemgate_store::{Claim, RecordKey, StoreError, StoredResponse};
+use idemgate_store::{SqlSettings, SqlStore};
 use sqlx::Connection;
 use support::services;
 

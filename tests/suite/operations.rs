@@ -162,7 +162,7 @@ async fn migrate_keys_and_sweep_commands_work_on_the_embedded_store() {
     let (code, out, err) = run(&["migrate"]);
     assert_eq!(code, Some(0), "{out}{err}");
     // A record written the way the gateway writes it.
-    let sql = idemgate_store::sql::SqlStore::connect(&idemgate_store::sql::SqlSettings {
+    let sql = idemgate_store::SqlStore::connect(&idemgate_store::SqlSettings {
         url: db.clone(),
         pool_size: 1,
         timeout: Duration::from_secs(2),

@@ -14,8 +14,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use idemgate_core::metrics::Metrics;
 use idemgate_demo_upstream as demo_upstream;
-use idemgate_store::sql::{SqlSettings, SqlStore};
-use idemgate_store::{Claim, RecordKey, Store, StoreSettings, StoredResponse, sweep};
+use idemgate_store::testing::StoreSettings;
+use idemgate_store::{Claim, RecordKey, Store, StoredResponse};
+use idemgate_store::{SqlSettings, SqlStore};
 use support::{Http, instances, services};
 
 /// The narrowest partition, as these tests' short retentions get.
@@ -30,7 +31,7 @@ async fn sql(url: &str, retention: Duration) -> SqlStore {
         schema: None,
         retention,
         // As the gateway sizes them: a partition per retention.
-        partition_span: idemgate_store::sql::partition_span(retention, SPAN),
+        partition_span: idemgate_store::testing::partition_span(retention, SPAN),
     })
     .await
     .unwrap()
@@ -244,7 +245,10 @@ async fn expired_partitions_are_retired_whole_unless_a_lease_holds_them() {
     assert_ne!(first, second);
     into_the_next_partition().await;
 
-    assert_eq!(sweep::sweep_once(&sql_store, false).await.unwrap(), 21);
+    assert_eq!(
+        idemgate_store::sweep_once(&sql_store, false).await.unwrap(),
+        21
+    );
     assert!(!table_exists(&pool, &first).await, "{first} dropped whole");
     assert!(table_exists(&pool, &second).await, "{second} is held");
     assert!(short.get(&held).await.unwrap().is_some());
@@ -252,7 +256,10 @@ async fn expired_partitions_are_retired_whole_unless_a_lease_holds_them() {
 
     // The lease runs out: the held partition goes too, kept as archive.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(sweep::sweep_once(&sql_store, true).await.unwrap(), 1);
+    assert_eq!(
+        idemgate_store::sweep_once(&sql_store, true).await.unwrap(),
+        1
+    );
     assert!(!table_exists(&pool, &second).await);
     let archived = second.replace("idempotency_records_", "idempotency_archive_");
     assert!(table_exists(&pool, &archived).await, "{archived} kept");
@@ -556,7 +563,7 @@ async fn a_long_retention_gets_wide_partitions_not_many() {
         .fetch_one(&catalog(&url).await)
         .await
         .unwrap();
-    let most = i64::from(idemgate_store::sql::MAX_LIVE_PARTITIONS) + 3;
+    let most = i64::from(idemgate_store::testing::MAX_LIVE_PARTITIONS) + 3;
     assert!(made <= most, "{made} partitions for a 90-day retention");
 }
 
@@ -602,7 +609,7 @@ async fn another_schemas_partition_work_does_not_hold_up_this_one() {
         .execute(&mut *busy)
         .await
         .unwrap();
-    assert_eq!(sweep::sweep_once(&ours, false).await.unwrap(), 1);
+    assert_eq!(idemgate_store::sweep_once(&ours, false).await.unwrap(), 1);
     assert!(short.get(&k).await.unwrap().is_none());
     assert!(ours.extend_partitions().await.is_ok());
     busy.rollback().await.unwrap();

@@ -10,12 +10,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idemgate_core::metrics::{FallbackLayer, Metrics};
-use idemgate_store::memory::MemoryLayer;
-use idemgate_store::redis::RedisLayer;
-use idemgate_store::sql::{DeadLetterClaim, SqlSettings, SqlStore};
-use idemgate_store::{
-    Claim, FastLayer, RecordKey, RecordState, Store, StoreSettings, StoredResponse, sweep,
-};
+use idemgate_store::MemoryLayer;
+use idemgate_store::testing::RedisLayer;
+use idemgate_store::testing::{FastLayer, StoreSettings};
+use idemgate_store::{Claim, RecordKey, RecordState, Store, StoredResponse, sweep_once};
+use idemgate_store::{DeadLetterClaim, SqlSettings, SqlStore};
 use support::services;
 
 #[derive(Clone, Copy, Debug)]
@@ -81,7 +80,7 @@ async fn sql_store(
         schema: None,
         retention,
         // As the gateway sizes them, with a sweep every second.
-        partition_span: idemgate_store::sql::partition_span(retention, Duration::from_secs(1)),
+        partition_span: idemgate_store::testing::partition_span(retention, Duration::from_secs(1)),
     })
     .await
     .unwrap();
@@ -114,7 +113,7 @@ async fn open_with_tombstone(
         Backend::RedisPostgres | Backend::RedisMysql => {
             let (url, prefix) = services::redis(test).await?;
             let redis = RedisLayer::new(&url, &prefix, Duration::from_millis(200)).unwrap();
-            Some(Arc::new(idemgate_store::near::NearLayer::new(
+            Some(Arc::new(idemgate_store::testing::NearLayer::new(
                 Arc::new(redis),
                 Arc::new(MemoryLayer::new(10_000)),
             )))
@@ -250,7 +249,7 @@ async fn another_store_on(sql: &SqlStore, dir: Option<&tempfile::TempDir>) -> Sq
         tombstone: Duration::ZERO,
         schema: None,
         retention: LONG,
-        partition_span: idemgate_store::sql::partition_span(LONG, Duration::from_secs(1)),
+        partition_span: idemgate_store::testing::partition_span(LONG, Duration::from_secs(1)),
     })
     .await
     .unwrap()
@@ -602,7 +601,7 @@ async fn sweep_removes_or_archives_expired_records(backend: Backend, test: &str)
         Claim::Won { .. }
     ));
     tokio::time::sleep(PAST_PARTITION).await;
-    assert_eq!(sweep::sweep_once(o.store.sql(), false).await.unwrap(), 3);
+    assert_eq!(sweep_once(o.store.sql(), false).await.unwrap(), 3);
     assert!(o.store.get(&key("old-0")).await.unwrap().is_none());
     assert!(o.store.get(&held).await.unwrap().is_some());
     // Archive mode moves rows instead.
@@ -615,7 +614,7 @@ async fn sweep_removes_or_archives_expired_records(backend: Backend, test: &str)
             .unwrap()
     );
     tokio::time::sleep(PAST_PARTITION).await;
-    assert_eq!(sweep::sweep_once(o.store.sql(), true).await.unwrap(), 1);
+    assert_eq!(sweep_once(o.store.sql(), true).await.unwrap(), 1);
     assert_eq!(o.store.sql().archived().await.unwrap(), 1);
     assert!(o.store.get(&k).await.unwrap().is_none());
 }
@@ -635,7 +634,7 @@ async fn purge_removes_every_scope(backend: Backend, test: &str) {
         );
     }
     assert_eq!(o.store.find("route", "purge-me").await.unwrap().len(), 2);
-    let purged = |removed, held| idemgate_store::sql::Purged { removed, held };
+    let purged = |removed, held| idemgate_store::testing::Purged { removed, held };
     assert_eq!(
         o.store
             .purge("route", "purge-me", Some("s1"))
@@ -861,7 +860,7 @@ async fn a_tombstone_outlives_the_retention_then_is_swept(backend: Backend, test
         Claim::Mismatch { .. }
     ));
     // The sweep keeps the tombstone and drops its answer.
-    assert_eq!(sweep::sweep_once(o.store.sql(), false).await.unwrap(), 0);
+    assert_eq!(sweep_once(o.store.sql(), false).await.unwrap(), 0);
     let record = o.store.get(&k).await.unwrap().expect("tombstone kept");
     assert_eq!(record.describe()["phase"], "tombstone");
     let kept = record.response.expect("its status stays");
@@ -872,7 +871,7 @@ async fn a_tombstone_outlives_the_retention_then_is_swept(backend: Backend, test
     ));
     // The tombstone's end, then its partition's.
     tokio::time::sleep(Duration::from_millis(1500) + PAST_PARTITION).await;
-    assert_eq!(sweep::sweep_once(o.store.sql(), false).await.unwrap(), 1);
+    assert_eq!(sweep_once(o.store.sql(), false).await.unwrap(), 1);
     assert!(o.store.get(&k).await.unwrap().is_none());
     assert!(matches!(
         o.store.claim(&k, "fp", "e").await.unwrap(),

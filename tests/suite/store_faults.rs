@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemgate_core::metrics::Metrics;
-use idemgate_store::fast::storage_key;
-use idemgate_store::redis::RedisLayer;
-use idemgate_store::sql::{SqlSettings, SqlStore};
-use idemgate_store::{Claim, FastLayer, RecordKey, Store, StoreError, StoreSettings};
+use idemgate_store::testing::RedisLayer;
+use idemgate_store::testing::storage_key;
+use idemgate_store::testing::{FastLayer, StoreSettings};
+use idemgate_store::{Claim, RecordKey, Store, StoreError};
+use idemgate_store::{SqlSettings, SqlStore};
 use support::services::{self, FaultProxy, Mode, PrivateRedis};
 
 const PREFIX: &str = "idemgate-test:";
@@ -33,9 +34,9 @@ async fn redis_store(test: &str) -> Option<(Store, PrivateRedis, Arc<Metrics>)> 
     sql.migrate().await.unwrap();
     // As the gateway composes it: Redis behind this process's copies of
     // the answers it replays.
-    let fast: Arc<dyn FastLayer> = Arc::new(idemgate_store::near::NearLayer::new(
+    let fast: Arc<dyn FastLayer> = Arc::new(idemgate_store::testing::NearLayer::new(
         Arc::new(RedisLayer::new(&redis.url(), PREFIX, Duration::from_millis(100)).unwrap()),
-        Arc::new(idemgate_store::memory::MemoryLayer::new(10_000)),
+        Arc::new(idemgate_store::MemoryLayer::new(10_000)),
     ));
     let metrics = Arc::new(Metrics::default());
     Some((
@@ -165,7 +166,7 @@ async fn poisoned_redis_values_never_override_sql() {
     // Garbage, and a well-formed completed entry for another scope.
     for poison in [
         b"{\"status\":200,\"body\":\"free money\"}".to_vec(),
-        idemgate_store::codec::encode_entry(&idemgate_store::codec::FastEntry::Completed {
+        idemgate_store::testing::encode_entry(&idemgate_store::testing::FastEntry::Completed {
             key: RecordKey::new("other-client", "r", "poisoned"),
             fingerprint: "fp".into(),
             response: idemgate_store::StoredResponse {
@@ -315,8 +316,8 @@ async fn kill_backends(base: &str, app: &str) {
 /// then, its trust was derived from its own timeout (11.3 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_that_cannot_read_the_purge_log_stops_replays_from_memory() {
-    use idemgate_store::codec::FastEntry;
-    use idemgate_store::memory::MemoryLayer;
+    use idemgate_store::MemoryLayer;
+    use idemgate_store::testing::FastEntry;
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}/follow.db?mode=rwc", dir.path().display());
     let sql = SqlStore::connect(&SqlSettings {
@@ -347,7 +348,7 @@ async fn a_follower_that_cannot_read_the_purge_log_stops_replays_from_memory() {
         expires_at_ms: 0,
     };
     memory.put(&entry, Duration::from_secs(60)).await.unwrap();
-    let follower = idemgate_store::purges::follow(sql.clone(), memory.clone());
+    let follower = idemgate_store::follow_purges(sql.clone(), memory.clone());
     // Reads succeed: what it holds stays.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(memory.peek(&key).is_some());
@@ -356,7 +357,8 @@ async fn a_follower_that_cannot_read_the_purge_log_stops_replays_from_memory() {
         .execute(&pool)
         .await
         .unwrap();
-    let deadline = Instant::now() + idemgate_store::purges::SETTLE + Duration::from_millis(500);
+    let deadline =
+        Instant::now() + idemgate_store::testing::PURGE_SETTLE + Duration::from_millis(500);
     while memory.peek(&key).is_some() {
         assert!(
             Instant::now() < deadline,

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use idemgate_store::DeadLetterClaim;
 use idemgate_store::key_ref;
-use idemgate_store::sql::DeadLetterClaim;
 
 use crate::key::{delivery_row, keyless_mark};
 use crate::{Deliverer, Message};

@@ -16,7 +16,7 @@ use idemgate_core::error::{Problem, Reason};
 use idemgate_core::metrics::{ConsumerCounters, MessageOutcome};
 use idemgate_core::trace;
 use idemgate_proxy::Proxy;
-use idemgate_store::sql::{DeadLetterClaim, DeliveryLog};
+use idemgate_store::{DeadLetterClaim, DeliveryLog};
 use idemgate_store::{RecordKey, key_ref};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;

@@ -14,11 +14,11 @@ pub enum Disposition {
     Retry(Duration),
     /// Nothing was attempted upstream — the store is unreachable, a copy
     /// is in flight, the outcome is not recorded yet: try again in this
-    /// process after the delay (see [`Deliverer::decide`]).
+    /// process after the delay (see `Deliverer::decide`).
     Wait(Duration),
     /// Move it to the dead letters (then acknowledge it), for `reason`,
     /// as the copy named `copy` (`x-idemgate-copy`): this instance holds
-    /// the message's copy lease as `holder` ([`Deliverer::while_copying`]
+    /// the message's copy lease as `holder` (`Deliverer::while_copying`
     /// keeps it).
     DeadLetter {
         /// Why, as logged and carried by the copy Idemgate publishes.

@@ -5,7 +5,7 @@
 //! its ack, delivers a message again that was already processed. Each
 //! delivery is turned into a request — `POST path` with the message body,
 //! the stable key as `Idempotency-Key`, the id, topic and delivery count as
-//! headers — and run through the same [`Engine`] as a callback route, keyed
+//! headers — and run through the same `Engine` as a callback route, keyed
 //! by the message's business key ([`key`]). What the engine answers decides
 //! the acknowledgement ([`Disposition`]):
 //!

@@ -233,7 +233,7 @@ impl ShutdownSignal {
 /// one socket: it serves the connections the balance leaves here and those
 /// other workers hand over. At the cap, up to `limits.refuse_at_cap`
 /// connections more are accepted only to be answered `503` (see
-/// [`refuse`]).
+/// `refuse`).
 pub async fn serve<F, S, E>(
     listener: TcpListener,
     make_service: F,

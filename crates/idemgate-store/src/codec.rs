@@ -10,10 +10,13 @@ use super::{RecordKey, StoredResponse};
 
 /// Version 2 carries the record's expiry. A version 1 value (an older
 /// gateway beside this one) fails to decode and sends the request to SQL.
+// Only the Redis layer stores entries; the in-process layer keeps values.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 const ENTRY_MAGIC: &[u8; 4] = b"IGF2";
 
 /// What a fast-layer key holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub enum FastEntry {
     /// A claim is running; duplicates are turned away.
     InFlight {
@@ -42,14 +45,14 @@ pub enum FastEntry {
 
 impl FastEntry {
     /// The record this entry claims to describe.
-    pub fn key(&self) -> &RecordKey {
+    pub(crate) fn key(&self) -> &RecordKey {
         match self {
             FastEntry::InFlight { key, .. } | FastEntry::Completed { key, .. } => key,
         }
     }
 
     /// The fingerprint it was written for.
-    pub fn fingerprint(&self) -> &str {
+    pub(crate) fn fingerprint(&self) -> &str {
         match self {
             FastEntry::InFlight { fingerprint, .. } | FastEntry::Completed { fingerprint, .. } => {
                 fingerprint
@@ -58,7 +61,7 @@ impl FastEntry {
     }
 
     /// The record's expiry it carries.
-    pub fn expires_at_ms(&self) -> i64 {
+    pub(crate) fn expires_at_ms(&self) -> i64 {
         match self {
             FastEntry::InFlight { expires_at_ms, .. }
             | FastEntry::Completed { expires_at_ms, .. } => *expires_at_ms,
@@ -75,14 +78,14 @@ const TRAILER_PREFIX: &str = "trailer:";
 /// Encodes an answer's header and trailer fields as one list: a `u32`
 /// count, then each as `u32 name length, name, u32 value length, value`
 /// (trailers under [`TRAILER_PREFIX`]).
-pub fn encode_fields(response: &StoredResponse) -> Vec<u8> {
+pub(crate) fn encode_fields(response: &StoredResponse) -> Vec<u8> {
     let mut out = Vec::with_capacity((response.headers.len() + response.trailers.len()) * 32);
     put_fields(&mut out, &response.headers, &response.trailers);
     out
 }
 
 /// Decodes [`encode_fields`]: the headers and the trailers.
-pub fn decode_fields(bytes: &[u8]) -> Result<(Fields, Fields), String> {
+pub(crate) fn decode_fields(bytes: &[u8]) -> Result<(Fields, Fields), String> {
     let mut r = Reader(bytes);
     let fields = r.fields()?;
     r.end()?;
@@ -90,9 +93,11 @@ pub fn decode_fields(bytes: &[u8]) -> Result<(Fields, Fields), String> {
 }
 
 /// Header or trailer fields, in order: name, value.
-pub type Fields = Vec<(String, Vec<u8>)>;
+pub(crate) type Fields = Vec<(String, Vec<u8>)>;
 
 /// Encodes a fast-layer entry.
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub fn encode_entry(entry: &FastEntry) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(ENTRY_MAGIC);
@@ -120,7 +125,8 @@ pub fn encode_entry(entry: &FastEntry) -> Vec<u8> {
 }
 
 /// Decodes [`encode_entry`]; anything else is an error.
-pub fn decode_entry(bytes: &[u8]) -> Result<FastEntry, String> {
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) fn decode_entry(bytes: &[u8]) -> Result<FastEntry, String> {
     let rest = bytes
         .strip_prefix(ENTRY_MAGIC)
         .ok_or("not an idemgate entry")?;

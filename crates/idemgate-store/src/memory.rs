@@ -29,7 +29,7 @@ use idemgate_core::metrics::FallbackLayer;
 const SHARDS: usize = 16;
 
 /// Entries kept at most, across shards.
-pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
+pub(crate) const DEFAULT_MAX_ENTRIES: usize = 100_000;
 
 /// Bytes kept at most, across shards (`store.memory_layer_bytes`).
 pub const DEFAULT_MAX_BYTES: usize = 64 * 1024 * 1024;
@@ -167,12 +167,14 @@ fn size_of(entry: &FastEntry) -> usize {
 
 impl MemoryLayer {
     /// A layer holding at most `max_entries` and the default byte budget.
-    pub fn new(max_entries: usize) -> Self {
+    #[cfg(any(test, feature = "testing"))]
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) fn new(max_entries: usize) -> Self {
         Self::with_budget(max_entries, DEFAULT_MAX_BYTES)
     }
 
     /// A layer holding at most `max_entries` and `max_bytes`.
-    pub fn with_budget(max_entries: usize, max_bytes: usize) -> Self {
+    pub(crate) fn with_budget(max_entries: usize, max_bytes: usize) -> Self {
         MemoryLayer {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: RandomState::new(),
@@ -186,7 +188,7 @@ impl MemoryLayer {
 
     /// Completed answers may be replayed until `until` and not after
     /// (markers are not affected: they never replay anything).
-    pub fn trust_until(&self, until: Instant) {
+    pub(crate) fn trust_until(&self, until: Instant) {
         let nanos = until.saturating_duration_since(self.base).as_nanos();
         self.trusted_until.store(
             u64::try_from(nanos).unwrap_or(u64::MAX - 1),
@@ -230,7 +232,7 @@ impl MemoryLayer {
     /// the shard's lock, which the purge's removal takes after counting
     /// itself: either the purge is counted first and nothing is stored, or
     /// the entry is stored first and the purge removes it.
-    pub fn store_unless_purged(&self, entry: &FastEntry, ttl: Duration, since: u64) {
+    pub(crate) fn store_unless_purged(&self, entry: &FastEntry, ttl: Duration, since: u64) {
         // Cannot fail (an entry too large for the layer is not kept).
         let _ = self.store_in(entry, ttl, false, Some(since));
     }
@@ -295,7 +297,7 @@ impl MemoryLayer {
     /// The live completed entry under `key`, with the time it has left;
     /// never marks anything (replays answered before any claim is made, and
     /// the copies kept in front of Redis).
-    pub fn completed(&self, key: &RecordKey) -> Option<(FastEntry, Duration)> {
+    pub(crate) fn completed(&self, key: &RecordKey) -> Option<(FastEntry, Duration)> {
         let now = Instant::now();
         let mut shard = self.shard(key);
         let slot = shard.entries.get(key)?;
@@ -314,19 +316,19 @@ impl MemoryLayer {
     /// of an answer read before a purge must not be kept after the purge was
     /// applied, so whoever copies reads this before the question and keeps
     /// the copy only if it has not moved.
-    pub fn purges_seen(&self) -> u64 {
+    pub(crate) fn purges_seen(&self) -> u64 {
         self.purges.load(Ordering::Acquire)
     }
 
     /// [`Self::forget`] for a purge read from the purge log.
-    pub fn forget_purged(&self, route: &str, key: &str, scope: Option<&str>) -> usize {
+    pub(crate) fn forget_purged(&self, route: &str, key: &str, scope: Option<&str>) -> usize {
         self.purges.fetch_add(1, Ordering::AcqRel);
         self.forget(route, key, scope)
     }
 
     /// Forgets every entry of `route`/`key` (in `scope`, or in every scope);
     /// returns how many.
-    pub fn forget(&self, route: &str, key: &str, scope: Option<&str>) -> usize {
+    pub(crate) fn forget(&self, route: &str, key: &str, scope: Option<&str>) -> usize {
         if let Some(scope) = scope {
             let key = RecordKey::new(scope, route, key);
             return usize::from(self.shard(&key).remove(&key));
@@ -348,7 +350,7 @@ impl MemoryLayer {
     }
 
     /// Drops expired entries (run by the sweeper).
-    pub fn purge_expired(&self) -> usize {
+    pub(crate) fn purge_expired(&self) -> usize {
         let now = Instant::now();
         let mut removed = 0;
         for shard in &self.shards {
@@ -375,7 +377,8 @@ impl MemoryLayer {
     }
 
     /// Entries held, across shards.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.shards
             .iter()
             .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).entries.len())
@@ -383,7 +386,8 @@ impl MemoryLayer {
     }
 
     /// Whether it holds nothing.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }

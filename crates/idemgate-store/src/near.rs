@@ -35,6 +35,7 @@ use idemgate_core::metrics::FallbackLayer;
 
 /// A shared fast layer (Redis) with this process's copies of its
 /// completed answers in front.
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub struct NearLayer {
     shared: Arc<dyn FastLayer>,
     near: Arc<MemoryLayer>,
@@ -44,6 +45,8 @@ impl NearLayer {
     /// `shared` behind copies kept in `near` (one per process, shared by
     /// every worker's store, followed by the purge log and trimmed by the
     /// sweeper).
+    #[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+    #[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
     pub fn new(shared: Arc<dyn FastLayer>, near: Arc<MemoryLayer>) -> Self {
         NearLayer { shared, near }
     }

@@ -8,8 +8,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::fast::FastLayer;
 use crate::settle;
-use crate::{FastLayer, Store, StoreError, StoreSettings, memory, sql};
+use crate::tiered::StoreSettings;
+use crate::{Store, StoreError, memory, sql};
 
 /// The embedded store a fresh checkout runs on.
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://data/idemgate.db";

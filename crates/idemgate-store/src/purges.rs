@@ -21,7 +21,7 @@ use super::memory::MemoryLayer;
 use super::sql::SqlStore;
 
 /// How often a gateway reads the purge log.
-pub const FOLLOW_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 /// Ids re-read behind the last one seen.
 const TRAILING: i64 = 100;
 
@@ -31,15 +31,16 @@ const TRAILING: i64 = 100;
 /// own settings: the purger and every follower must agree on it, whatever
 /// `store.timeout` each was given (a poll interval, and two seconds for a
 /// read to finish before the layer stops replaying).
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub const SETTLE: Duration = Duration::from_secs(3);
 /// Logged purges older than this are trimmed by the sweeper.
-pub const KEEP_FOR: Duration = Duration::from_secs(3600);
+pub(crate) const KEEP_FOR: Duration = Duration::from_secs(3600);
 
 /// Follows the purge log into `memory` until the task is aborted. From
 /// this call on, `memory` replays completed answers only while the log has
 /// been read recently enough: until a read that started at `R` has
 /// succeeded, nothing purged before `R` is known to be forgotten, and a
-/// purge is reported done [`SETTLE`] after it was logged — so each
+/// purge is reported done `SETTLE` after it was logged — so each
 /// successful read lets answers be replayed until `R + SETTLE`.
 pub fn follow(sql: SqlStore, memory: Arc<MemoryLayer>) -> tokio::task::JoinHandle<()> {
     memory.trust_until(Instant::now());

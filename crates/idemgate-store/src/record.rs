@@ -62,7 +62,7 @@ pub enum RecordState {
 
 impl RecordState {
     /// The column value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             RecordState::InFlight => "in_flight",
             RecordState::Completed => "completed",
@@ -190,7 +190,9 @@ pub enum Claim {
 impl Claim {
     /// Until when the answer's record is remembered: its retention's end,
     /// or for a tombstone the tombstone's end.
-    pub fn expires_at_ms(&self) -> i64 {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn expires_at_ms(&self) -> i64 {
         match self {
             Claim::Won { expires_at_ms, .. }
             | Claim::InFlight { expires_at_ms, .. }
@@ -227,7 +229,7 @@ impl Record {
     /// Uncertain records count while their hold runs (a copy may still be
     /// running at the upstream): neither the sweeper nor a purge removes a
     /// held record.
-    pub fn is_held(&self) -> bool {
+    pub(crate) fn is_held(&self) -> bool {
         matches!(self.state, RecordState::InFlight | RecordState::Uncertain)
             && self.lease_until_ms > self.read_at_ms
     }

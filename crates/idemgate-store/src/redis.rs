@@ -50,6 +50,7 @@ struct SentinelTarget {
 }
 
 /// The Redis fast layer.
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub struct RedisLayer {
     target: Target,
     cluster: OnceCell<ClusterConnection>,
@@ -77,6 +78,8 @@ fn backend(e: redis::RedisError) -> FastError {
 impl RedisLayer {
     /// A layer for `url`; connects on first use. `budget` bounds how long
     /// a reconnect attempt may take.
+    #[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+    #[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
     pub fn new(url: &str, prefix: &str, budget: Duration) -> Result<RedisLayer, FastError> {
         let target = if let Some(nodes) = url.strip_prefix("redis+cluster://") {
             let nodes: Vec<String> = nodes

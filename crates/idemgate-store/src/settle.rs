@@ -2,7 +2,7 @@
 //!
 //! A duplicate that waits (`on_concurrent = "wait"`) for a request held by
 //! another gateway process must learn the outcome the moment it is recorded,
-//! not at its next poll. The waiter registers here ([`Settlements::watch`])
+//! not at its next poll. The waiter registers here (`Settlements::watch`)
 //! and flags the record in SQL (`watched`); the statement that settles the
 //! record (complete, release, uncertain) returns that flag, and only then
 //! does the settling store announce it on the instance-wide channel:
@@ -97,7 +97,7 @@ impl Watch {
     /// Whether this waiter must flag the record in SQL before it waits:
     /// true for the first waiter since the last wake-up, which is then
     /// counted as flagged (the others share its announcement).
-    pub fn take_flag(&self) -> bool {
+    pub(crate) fn take_flag(&self) -> bool {
         let mut waiting = self.settlements.lock();
         match waiting.get_mut(&self.token) {
             Some(w) if !w.flagged => {
@@ -109,7 +109,7 @@ impl Watch {
     }
 
     /// Undoes [`Self::take_flag`] when flagging failed.
-    pub fn clear_flag(&self) {
+    pub(crate) fn clear_flag(&self) {
         if let Some(w) = self.settlements.lock().get_mut(&self.token) {
             w.flagged = false;
         }
@@ -155,7 +155,7 @@ impl Settlements {
     }
 
     /// Registers a waiter of `key`.
-    pub fn watch(self: &Arc<Self>, key: &RecordKey) -> Watch {
+    pub(crate) fn watch(self: &Arc<Self>, key: &RecordKey) -> Watch {
         let token = token(key);
         let mut waiting = self.lock();
         let entry = waiting.entry(token.clone()).or_insert_with(|| Waiting {
@@ -174,7 +174,7 @@ impl Settlements {
     }
 
     /// Wakes the waiters of the record with this hash.
-    pub fn wake(&self, token: &str) {
+    pub(crate) fn wake(&self, token: &str) {
         if let Some(w) = self.lock().get_mut(token) {
             w.flagged = false;
             w.wake.send_modify(|n| *n += 1);
@@ -182,26 +182,17 @@ impl Settlements {
     }
 
     /// Wakes every waiter (a notification may have been missed).
-    pub fn wake_all(&self) {
+    #[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
+    pub(crate) fn wake_all(&self) {
         for w in self.lock().values_mut() {
             w.flagged = false;
             w.wake.send_modify(|n| *n += 1);
         }
     }
 
-    /// How many records have waiters here.
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    /// Whether no record has a waiter here.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Starts this process's listener on the channel (Postgres or Redis);
     /// it runs until the last handle of `self` is dropped.
-    pub fn listen(self: &Arc<Self>, channel: Channel, options: &super::StoreOptions) {
+    pub(crate) fn listen(self: &Arc<Self>, channel: Channel, options: &super::StoreOptions) {
         let weak = Arc::downgrade(self);
         let task = match channel {
             Channel::Local => return,

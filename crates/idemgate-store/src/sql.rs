@@ -36,7 +36,7 @@ pub use durability::Durability;
 
 /// Rows moved per sweep statement: small enough that a sweep never holds
 /// locks for long, large enough to keep up.
-pub const SWEEP_BATCH: i64 = 500;
+pub(crate) const SWEEP_BATCH: i64 = 500;
 
 /// The SQL record store: one face over the implementation of its database.
 #[derive(Clone)]
@@ -95,19 +95,22 @@ impl SqlStore {
 
     /// Applies the migrations of this store's database (and, on Postgres,
     /// makes the partitions the next claims land in).
-    pub async fn migrate(&self) -> Result<(), StoreError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn migrate(&self) -> Result<(), StoreError> {
         on_backend!(self, b => b.migrate().await)
     }
 
     /// The migrations up to `version` only: a database as an earlier
     /// release left it (upgrade tests).
     #[doc(hidden)]
-    pub async fn migrate_until(&self, version: Option<i64>) -> Result<(), StoreError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn migrate_until(&self, version: Option<i64>) -> Result<(), StoreError> {
         on_backend!(self, b => b.migrate_until(version).await)
     }
 
     /// The bound on every operation (`store.timeout`).
-    pub fn timeout(&self) -> Duration {
+    pub(crate) fn timeout(&self) -> Duration {
         on_backend!(self, b => b.timeout())
     }
 
@@ -117,12 +120,12 @@ impl SqlStore {
     }
 
     /// Which database this store runs on.
-    pub fn dialect(&self) -> Dialect {
+    pub(crate) fn dialect(&self) -> Dialect {
         on_backend!(self, b => b.dialect())
     }
 
     /// `SELECT 1`, for `/readyz`.
-    pub async fn ping(&self) -> Result<(), StoreError> {
+    pub(crate) async fn ping(&self) -> Result<(), StoreError> {
         on_backend!(self, b => b.ping().await)
     }
 
@@ -133,12 +136,14 @@ impl SqlStore {
     }
 
     /// How long a record stays a tombstone after its retention.
-    pub fn tombstone(&self) -> Duration {
+    pub(crate) fn tombstone(&self) -> Duration {
         on_backend!(self, b => b.tombstone())
     }
 
     /// The URL this store connected to (tests open a second store on it).
-    pub fn url_for_tests(&self) -> &str {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn url_for_tests(&self) -> &str {
         on_backend!(self, b => b.url_for_tests())
     }
 }
@@ -150,7 +155,9 @@ impl SqlStore {
     /// own, for tools and tests: the gateway claims through [`crate::Store`],
     /// whose batch writer releases a claim that committed after its caller
     /// stopped waiting.
-    pub async fn claim(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn claim(
         &self,
         key: &RecordKey,
         fingerprint: &str,
@@ -194,7 +201,7 @@ impl SqlStore {
     /// The existing-key half of a claim: take the record over if it may be
     /// taken, else read it to answer, with the record's retention left.
     /// `None` when the row vanished.
-    pub async fn claim_existing(
+    pub(crate) async fn claim_existing(
         &self,
         c: &NewClaim,
     ) -> Result<Option<(Claim, Duration)>, StoreError> {
@@ -202,12 +209,12 @@ impl SqlStore {
     }
 
     /// Reads one record.
-    pub async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+    pub(crate) async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         on_backend!(self, b => b.get(key).await)
     }
 
     /// Every record of `route` and `key`, whatever the client scope.
-    pub async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
+    pub(crate) async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
         on_backend!(self, b => b.find(route, key).await)
     }
 
@@ -219,7 +226,9 @@ impl SqlStore {
 
     /// Stores the outcome; the retention left and whether a duplicate
     /// waits for it, or `None` when `epoch` no longer holds the claim.
-    pub async fn complete(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn complete(
         &self,
         key: &RecordKey,
         epoch: i64,
@@ -230,7 +239,7 @@ impl SqlStore {
 
     /// Stores the answer reconciliation got for an `uncertain` record,
     /// fenced by that record's epoch.
-    pub async fn complete_reconciled(
+    pub(crate) async fn complete_reconciled(
         &self,
         key: &RecordKey,
         epoch: i64,
@@ -241,13 +250,19 @@ impl SqlStore {
 
     /// Gives the claim up (nothing happened upstream): whether a duplicate
     /// waits for it, or `None` when `epoch` no longer holds it.
-    pub async fn release(&self, key: &RecordKey, epoch: i64) -> Result<Option<bool>, StoreError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn release(
+        &self,
+        key: &RecordKey,
+        epoch: i64,
+    ) -> Result<Option<bool>, StoreError> {
         on_backend!(self, b => b.set_state(key, epoch, RecordState::Released, Duration::ZERO, "release").await)
     }
 
     /// Records that the outcome is unknown: nothing is forwarded for
     /// `hold`, then the next retry may take over.
-    pub async fn mark_uncertain(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn mark_uncertain(
         &self,
         key: &RecordKey,
         epoch: i64,
@@ -258,13 +273,14 @@ impl SqlStore {
 
     /// Says a duplicate waits for `key` while it is in flight; false when
     /// it is not in flight (any more).
-    pub async fn mark_watched(&self, key: &RecordKey) -> Result<bool, StoreError> {
+    pub(crate) async fn mark_watched(&self, key: &RecordKey) -> Result<bool, StoreError> {
         on_backend!(self, b => b.mark_watched(key).await)
     }
 
     /// Extends a running claim's lease to `lease` from now; false when it
     /// was taken over.
-    pub async fn renew(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn renew(
         &self,
         key: &RecordKey,
         epoch: i64,
@@ -275,13 +291,13 @@ impl SqlStore {
 
     /// Tells every instance listening on the database that the record with
     /// this hash settled (Postgres `NOTIFY`; nothing elsewhere).
-    pub async fn announce(&self, token: &str) -> Result<(), StoreError> {
+    pub(crate) async fn announce(&self, token: &str) -> Result<(), StoreError> {
         on_backend!(self, b => b.announce(token).await)
     }
 
     /// Deletes one record, or with `scope = None` the key in every scope —
     /// except a record held under a live lease, which is never purged.
-    pub async fn purge(
+    pub(crate) async fn purge(
         &self,
         route: &str,
         key: &str,
@@ -291,7 +307,9 @@ impl SqlStore {
     }
 
     /// Rows in the record table (operators, tests).
-    pub async fn records(&self) -> Result<i64, StoreError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn records(&self) -> Result<i64, StoreError> {
         on_backend!(self, b => b.records().await)
     }
 }
@@ -333,13 +351,14 @@ impl SqlStore {
 impl SqlStore {
     /// A consumed message's failed upstream attempts and whether its
     /// dead-letter copy is stored (`0`, `false` when it never failed).
-    pub async fn delivery(&self, route: &str, key: &str) -> Result<(u32, bool), StoreError> {
+    pub(crate) async fn delivery(&self, route: &str, key: &str) -> Result<(u32, bool), StoreError> {
         on_backend!(self, b => b.delivery(route, key).await)
     }
 
     /// Counts a failed upstream attempt of a consumed message, for every
     /// instance; `first`: a fresh delivery starts the count over.
-    pub async fn count_delivery_failure(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn count_delivery_failure(
         &self,
         route: &str,
         key: &str,
@@ -349,13 +368,19 @@ impl SqlStore {
     }
 
     /// Says a consumed message's dead-letter copy is stored.
-    pub async fn mark_dead_lettered(&self, route: &str, key: &str) -> Result<(), StoreError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn mark_dead_lettered(
+        &self,
+        route: &str,
+        key: &str,
+    ) -> Result<(), StoreError> {
         on_backend!(self, b => b.mark_dead_lettered(route, key).await)
     }
 
     /// Takes the lease to publish a consumed message's dead-letter copy for
     /// `lease` (see [`DeadLetterClaim`]).
-    pub async fn claim_dead_letter(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn claim_dead_letter(
         &self,
         route: &str,
         key: &str,
@@ -366,7 +391,8 @@ impl SqlStore {
     }
 
     /// Extends `holder`'s copy lease; whether it still held it.
-    pub async fn renew_dead_letter(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn renew_dead_letter(
         &self,
         route: &str,
         key: &str,
@@ -378,7 +404,8 @@ impl SqlStore {
 
     /// Gives back the copy lease `holder` won (a lease that passed to
     /// another holder is left alone).
-    pub async fn release_dead_letter(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) async fn release_dead_letter(
         &self,
         route: &str,
         key: &str,
@@ -388,7 +415,7 @@ impl SqlStore {
     }
 
     /// Forgets delivery rows untouched since `before_ms`.
-    pub async fn trim_deliveries(&self, before_ms: i64) -> Result<u64, StoreError> {
+    pub(crate) async fn trim_deliveries(&self, before_ms: i64) -> Result<u64, StoreError> {
         on_backend!(self, b => b.trim_deliveries(before_ms).await)
     }
 }
@@ -397,17 +424,17 @@ impl SqlStore {
 
 impl SqlStore {
     /// Purges logged after `last` (oldest first, at most 1,000).
-    pub async fn purges_since(&self, last: i64) -> Result<Vec<LoggedPurge>, StoreError> {
+    pub(crate) async fn purges_since(&self, last: i64) -> Result<Vec<LoggedPurge>, StoreError> {
         on_backend!(self, b => b.purges_since(last).await)
     }
 
     /// The newest logged purge's id.
-    pub async fn last_purge(&self) -> Result<i64, StoreError> {
+    pub(crate) async fn last_purge(&self) -> Result<i64, StoreError> {
         on_backend!(self, b => b.last_purge().await)
     }
 
     /// Forgets logged purges older than `age`.
-    pub async fn trim_purges(&self, age: Duration) -> Result<u64, StoreError> {
+    pub(crate) async fn trim_purges(&self, age: Duration) -> Result<u64, StoreError> {
         on_backend!(self, b => b.trim_purges(age).await)
     }
 }
@@ -418,36 +445,40 @@ impl SqlStore {
     /// Retires what a database can retire whole (Postgres: expired
     /// partitions, detached and dropped or kept): the rows removed, and the
     /// tables left to sweep row by row.
-    pub async fn retire(&self, archive: bool) -> Result<(u64, Vec<String>), StoreError> {
+    pub(crate) async fn retire(&self, archive: bool) -> Result<(u64, Vec<String>), StoreError> {
         on_backend!(self, b => b.retire(archive).await)
     }
 
     /// Removes (or archives) one batch of expired records of `table`;
     /// returns how many.
-    pub async fn sweep_batch(&self, archive: bool, table: &str) -> Result<u64, StoreError> {
+    pub(crate) async fn sweep_batch(&self, archive: bool, table: &str) -> Result<u64, StoreError> {
         on_backend!(self, b => b.sweep_batch(archive, table).await)
     }
 
     /// With tombstones on: drops the stored answers of records whose
     /// retention ended at or after `after` (ms), one batch; returns how
     /// many and the watermark to pass next time.
-    pub async fn strip_batch(&self, after: i64) -> Result<(u64, i64), StoreError> {
+    pub(crate) async fn strip_batch(&self, after: i64) -> Result<(u64, i64), StoreError> {
         on_backend!(self, b => b.strip_batch(after).await)
     }
 
     /// Forgets uncertain-log entries older than `before_ms`.
-    pub async fn trim_uncertain_log(&self, before_ms: i64) -> Result<u64, StoreError> {
+    pub(crate) async fn trim_uncertain_log(&self, before_ms: i64) -> Result<u64, StoreError> {
         on_backend!(self, b => b.trim_uncertain_log(before_ms).await)
     }
 
     /// Rows archived (operators, tests).
-    pub async fn archived(&self) -> Result<i64, StoreError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn archived(&self) -> Result<i64, StoreError> {
         on_backend!(self, b => b.archived().await)
     }
 
     /// Postgres: makes the partitions the next claims land in; the number
     /// made (nothing to do elsewhere).
-    pub async fn extend_partitions(&self) -> Result<u32, StoreError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn extend_partitions(&self) -> Result<u32, StoreError> {
         on_backend!(self, b => b.extend_partitions().await)
     }
 }
@@ -479,7 +510,9 @@ impl SqlStore {
 /// One write of a lane that claims and completes together (see
 /// [`SqlStore::write_many`]).
 #[derive(Debug, Clone)]
-pub enum Write {
+// Only SQLite sends claims and completions down one lane.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+pub(crate) enum Write {
     /// A fresh key's claim.
     Claim(NewClaim),
     /// An outcome to store.
@@ -490,7 +523,8 @@ pub enum Write {
 /// the completion's retention left and whether a duplicate waits, where
 /// its epoch still held the claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Written {
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+pub(crate) enum Written {
     /// The claim's epoch and expiry, where it was won.
     Claim(Option<(i64, i64)>),
     /// The retention left and whether a duplicate waits, where the
@@ -500,7 +534,7 @@ pub enum Written {
 
 /// One claim of a key, as [`SqlStore::insert_claims`] takes it.
 #[derive(Debug, Clone)]
-pub struct NewClaim {
+pub(crate) struct NewClaim {
     /// Which record.
     pub key: RecordKey,
     /// The request's fingerprint.
@@ -518,7 +552,7 @@ pub struct NewClaim {
 
 /// One completion waiting to be written.
 #[derive(Debug, Clone)]
-pub struct Completion {
+pub(crate) struct Completion {
     /// Which record.
     pub key: RecordKey,
     /// The claim's epoch: the write is fenced by it.
@@ -528,7 +562,7 @@ pub struct Completion {
 }
 
 /// Who publishes a consumed message's dead-letter copy
-/// ([`SqlStore::claim_dead_letter`]).
+/// (`SqlStore::claim_dead_letter`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeadLetterClaim {
     /// This caller, under this copy id.
@@ -551,7 +585,7 @@ pub struct DeliveryLog {
 
 impl DeliveryLog {
     /// The log of the consumer whose records are kept under `consumer`.
-    pub fn new(sql: SqlStore, consumer: &str) -> DeliveryLog {
+    pub(crate) fn new(sql: SqlStore, consumer: &str) -> DeliveryLog {
         DeliveryLog {
             sql,
             consumer: consumer.into(),
@@ -559,12 +593,12 @@ impl DeliveryLog {
     }
 
     /// A message's failed attempts and whether its dead-letter copy is
-    /// stored (see [`SqlStore::delivery`]).
+    /// stored (see `SqlStore::delivery`).
     pub async fn delivery(&self, key: &str) -> Result<(u32, bool), StoreError> {
         self.sql.delivery(&self.consumer, key).await
     }
 
-    /// Counts a failed attempt (see [`SqlStore::count_delivery_failure`]).
+    /// Counts a failed attempt (see `SqlStore::count_delivery_failure`).
     pub async fn count_failure(&self, key: &str, first: bool) -> Result<u32, StoreError> {
         self.sql
             .count_delivery_failure(&self.consumer, key, first)
@@ -577,7 +611,7 @@ impl DeliveryLog {
     }
 
     /// Takes the lease to publish the message's dead-letter copy (see
-    /// [`SqlStore::claim_dead_letter`]).
+    /// `SqlStore::claim_dead_letter`).
     pub async fn claim_dead_letter(
         &self,
         key: &str,
@@ -589,7 +623,7 @@ impl DeliveryLog {
             .await
     }
 
-    /// Extends `holder`'s copy lease (see [`SqlStore::renew_dead_letter`]).
+    /// Extends `holder`'s copy lease (see `SqlStore::renew_dead_letter`).
     pub async fn renew_dead_letter(
         &self,
         key: &str,
@@ -601,7 +635,7 @@ impl DeliveryLog {
             .await
     }
 
-    /// Gives the copy lease back (see [`SqlStore::release_dead_letter`]).
+    /// Gives the copy lease back (see `SqlStore::release_dead_letter`).
     pub async fn release_dead_letter(&self, key: &str, holder: &str) -> Result<(), StoreError> {
         self.sql
             .release_dead_letter(&self.consumer, key, holder)
@@ -623,7 +657,7 @@ impl DeliveryLog {
 
 /// One logged purge.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoggedPurge {
+pub(crate) struct LoggedPurge {
     /// Its place in the log (ids only grow).
     pub id: i64,
     /// The purged record's route identity.
@@ -690,26 +724,29 @@ pub struct SqlSettings {
     /// `store.retention`: Postgres makes partitions this far ahead.
     pub retention: Duration,
     /// Postgres: the span of expiries one partition holds (see
-    /// [`partition_span`]).
+    /// `partition_span`).
     pub partition_span: Duration,
 }
 
 /// The narrowest span of expiries one Postgres partition holds.
-pub const MIN_PARTITION_SPAN: Duration = Duration::from_secs(1);
+pub(crate) const MIN_PARTITION_SPAN: Duration = Duration::from_secs(1);
 
 /// The widest span of expiries one Postgres partition holds.
-pub const MAX_PARTITION_SPAN: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const MAX_PARTITION_SPAN: Duration = Duration::from_secs(24 * 3600);
 
 /// Partitions that hold live records and tombstones, at most: every by-key
 /// statement probes each one (the key does not name its partition), so a
 /// retention (plus tombstone) longer than this many days gets wider spans
 /// instead of more partitions.
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 pub const MAX_LIVE_PARTITIONS: u32 = 16;
 
 /// The span of one Postgres partition: the retention, or the sweep
 /// interval where that is longer (so a sweep never has more than a few
 /// partitions to make or retire), within a second and a day. Records live
 /// at most one span past their retention before their partition goes.
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub fn partition_span(retention: Duration, sweep_interval: Duration) -> Duration {
     retention
         .max(sweep_interval)
@@ -718,7 +755,8 @@ pub fn partition_span(retention: Duration, sweep_interval: Duration) -> Duration
 
 /// A schema name as the store accepts it: a plain lowercase SQL
 /// identifier, so it needs no quoting anywhere.
-pub fn check_schema(name: &str) -> Result<(), String> {
+#[cfg(feature = "postgres")]
+pub(crate) fn check_schema(name: &str) -> Result<(), String> {
     let mut chars = name.chars();
     let first_ok = chars
         .next()

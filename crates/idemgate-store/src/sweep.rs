@@ -72,7 +72,7 @@ async fn sweep_from(
 /// How long the log of records that became uncertain is kept (what the
 /// operator's list of uncertain records reads; a record still uncertain
 /// after this long is past any retention worth keeping).
-pub const UNCERTAIN_LOG_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
+pub(crate) const UNCERTAIN_LOG_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// The sweeper: every `interval`, expired records are retired (or
 /// archived), tombstones stripped and the logs trimmed, and the in-process

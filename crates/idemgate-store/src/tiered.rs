@@ -43,7 +43,7 @@ use writes::{LARGE_BODY, LARGE_LANE, Writes, completion_batcher};
 
 /// Where token records live (kept equal to [`idemgate::token::TOKEN_RECORDS`]
 /// by a test; the store does not depend on the token module).
-pub const TOKEN_NAMESPACE: &str = "/token";
+pub(crate) const TOKEN_NAMESPACE: &str = "/token";
 
 /// What SQL was asked after: this process's purge count then, and when.
 #[derive(Debug, Clone, Copy)]
@@ -95,7 +95,9 @@ pub struct Store {
 
 impl Store {
     /// Composes `sql` with an optional fast layer.
-    pub fn new(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn new(
         sql: SqlStore,
         fast: Option<Arc<dyn FastLayer>>,
         settings: StoreSettings,
@@ -106,7 +108,7 @@ impl Store {
 
     /// [`Self::new`], sharing `settlements` (one per process) and
     /// announcing settled records on `channel`.
-    pub fn with_settlements(
+    pub(crate) fn with_settlements(
         sql: SqlStore,
         fast: Option<Arc<dyn FastLayer>>,
         settings: StoreSettings,
@@ -139,7 +141,7 @@ impl Store {
     }
 
     /// This process's waiters.
-    pub fn settlements(&self) -> &Arc<Settlements> {
+    pub(crate) fn settlements(&self) -> &Arc<Settlements> {
         &self.settlements
     }
 
@@ -504,7 +506,9 @@ impl Store {
     }
 
     /// Every record of `route`/`key` across client scopes.
-    pub async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn find(&self, route: &str, key: &str) -> Result<Vec<Record>, StoreError> {
         self.sql.find(route, key).await
     }
 

@@ -232,8 +232,8 @@ impl Builder {
         // Purges made elsewhere (`idemgate keys purge`, a gateway's admin
         // API) reach the answers this process holds in memory through the
         // purge log, as in the gateway.
-        let purge_follower = idemgate_store::purges::follow(store.sql().clone(), memory.clone());
-        let sweeper = idemgate_store::sweep::spawn(
+        let purge_follower = idemgate_store::follow_purges(store.sql().clone(), memory.clone());
+        let sweeper = idemgate_store::spawn_sweeper(
             store.sql().clone(),
             Some(memory),
             self.sweep_interval,

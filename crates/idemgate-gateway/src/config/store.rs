@@ -124,7 +124,7 @@ fn default_tombstone() -> HumanDuration {
     DEFAULT_TOMBSTONE.into()
 }
 fn default_memory_layer_bytes() -> usize {
-    idemgate_store::memory::DEFAULT_MAX_BYTES
+    idemgate_store::DEFAULT_MEMORY_MAX_BYTES
 }
 fn default_pool_size() -> u32 {
     idemgate_store::DEFAULT_POOL_SIZE
@@ -194,7 +194,7 @@ impl StoreConfig {
                 idemgate_store::in_memory_refusal("store.database_url", db),
             );
         }
-        if idemgate_store::sql::Dialect::of(db).is_none() {
+        if idemgate_store::Dialect::of(db).is_none() {
             add(
                 "store.database_url".into(),
                 format!(

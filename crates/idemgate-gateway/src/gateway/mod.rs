@@ -69,7 +69,7 @@ pub enum StartError {
     )]
     NotSynchronous {
         /// What the database said.
-        durability: idemgate_store::sql::Durability,
+        durability: idemgate_store::Durability,
     },
 }
 
@@ -274,15 +274,13 @@ async fn commit_durability(
                 source,
             });
         }
-        Err(e) => {
-            idemgate_store::sql::Durability::Unconfirmed(format!("the database did not say: {e}"))
-        }
+        Err(e) => idemgate_store::Durability::Unconfirmed(format!("the database did not say: {e}")),
     };
     if config.store.require_synchronous && !durability.survives_failover() {
         return Err(StartError::NotSynchronous { durability });
     }
     match &durability {
-        idemgate_store::sql::Durability::Asynchronous(_) => tracing::warn!(
+        idemgate_store::Durability::Asynchronous(_) => tracing::warn!(
             durability = durability.name(),
             detail = durability.detail(),
             layer = "sql",
@@ -326,7 +324,7 @@ async fn bind(
 /// The store and its background work, on the calling runtime.
 struct Records {
     store: Store,
-    memory: Arc<idemgate_store::memory::MemoryLayer>,
+    memory: Arc<idemgate_store::MemoryLayer>,
     sweeper: JoinHandle<()>,
     purge_follower: JoinHandle<()>,
 }
@@ -347,7 +345,7 @@ impl Records {
                 url: redact(&config.store.database_url),
                 source,
             })?;
-        let sweeper = idemgate_store::sweep::spawn(
+        let sweeper = idemgate_store::spawn_sweeper(
             store.sql().clone(),
             Some(memory.clone()),
             config.store.sweep_interval.get(),
@@ -356,7 +354,7 @@ impl Records {
         // Purges made elsewhere (the CLI, another instance) reach this
         // process's in-process layer (the fast layer, or the copies of
         // completed answers kept in front of Redis) through the purge log.
-        let purge_follower = idemgate_store::purges::follow(store.sql().clone(), memory.clone());
+        let purge_follower = idemgate_store::follow_purges(store.sql().clone(), memory.clone());
         let held = memory.clone();
         metrics.gauge(
             "idemgate_memory_layer_bytes",
@@ -388,7 +386,7 @@ struct InForce {
     metrics: Arc<Metrics>,
     /// The main runtime's store (admin, sweeper); workers open their own.
     store: Store,
-    memory: Arc<idemgate_store::memory::MemoryLayer>,
+    memory: Arc<idemgate_store::MemoryLayer>,
     token_keys: Arc<TokenKeys>,
     /// No token secret was configured: a random one signs.
     random_secret: bool,

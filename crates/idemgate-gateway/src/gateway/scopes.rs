@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, UNIX_EPOCH};
 
-use idemgate_store::sql::{Orphaned, Scoping};
+use idemgate_store::{Orphaned, Scoping};
 use idemgate_store::{Store, StoreError};
 
 use crate::config::{ConfigError, ConfigProblem, Plan, PolicyPlan};

@@ -203,7 +203,7 @@ impl Pool {
 
     /// A pool for `authority` reached as `options` say. When called inside
     /// a tokio runtime, a reaper task closes idle connections past
-    /// [`POOL_IDLE_TIMEOUT`]; it ends when the pool is dropped.
+    /// `POOL_IDLE_TIMEOUT`; it ends when the pool is dropped.
     ///
     /// A route's upstream timeout bounds the whole exchange; the connect
     /// must fail before it does, so that a request that never left is

@@ -32,7 +32,7 @@ impl Dialect {
     }
 
     /// Its name (`postgres`, `sqlite`, `mysql`), as logs and metrics say it.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Dialect::Postgres => "postgres",
             Dialect::Sqlite => "sqlite",
@@ -42,7 +42,8 @@ impl Dialect {
 
     /// Whether its tables can live in a schema of their own
     /// ([`crate::StoreOptions::schema`]).
-    pub fn has_schemas(self) -> bool {
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn has_schemas(self) -> bool {
         self == Dialect::Postgres
     }
 }

@@ -63,6 +63,7 @@ use pool::Pool;
 #[derive(Clone)]
 pub(crate) struct DollarSql {
     pool: Pool,
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
     url: std::sync::Arc<str>,
     timeout: Duration,
     /// How long a record stays a tombstone after its retention.
@@ -90,6 +91,7 @@ struct PgParts {
 }
 
 #[cfg(feature = "sqlite")]
+#[cfg(any(test, feature = "testing"))]
 pub(super) const COUNT_ARCHIVE: &str = "SELECT COUNT(*) FROM idempotency_archive";
 
 impl DollarSql {
@@ -228,6 +230,7 @@ impl DollarSql {
     }
 
     /// The URL this store connected to (tests open a second store on it).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn url_for_tests(&self) -> &str {
         &self.url
     }

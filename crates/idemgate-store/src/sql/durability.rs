@@ -147,7 +147,7 @@ pub(crate) fn mysql(get: impl Fn(&str) -> Option<String>) -> Durability {
     )
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "postgres", feature = "mysql")))]
 mod tests {
     use super::*;
 

@@ -108,6 +108,7 @@ pub(crate) struct MysqlSql {
     pool: MySqlPool,
     /// How to open a connection of its own (migrations).
     options: Arc<MySqlConnectOptions>,
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
     url: Arc<str>,
     timeout: Duration,
     /// How long a record stays a tombstone after its retention.
@@ -292,6 +293,7 @@ impl MysqlSql {
         self.tombstone
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn url_for_tests(&self) -> &str {
         &self.url
     }

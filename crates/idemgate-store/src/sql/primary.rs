@@ -350,11 +350,10 @@ pub(super) fn read_only(which: &str) -> sqlx::Error {
     )
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "postgres"))]
 mod tests {
     use super::*;
 
-    #[cfg(feature = "postgres")]
     #[test]
     fn connections_older_than_a_move_are_stale() {
         let hosts = crate::url_hosts::hosts("postgres://h1/db").unwrap();

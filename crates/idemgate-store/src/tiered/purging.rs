@@ -6,9 +6,9 @@ use super::{Store, TOKEN_NAMESPACE};
 use crate::{Record, RecordKey, StoreError};
 
 impl Store {
-    /// [`Self::find`] for operators, who name a record by the route it was
+    /// `Self::find` for operators, who name a record by the route it was
     /// used on: a token's record lives under the token namespace
-    /// ([`idemgate::token::TOKEN_RECORDS`]), whatever route used it.
+    /// (`idemgate::token::TOKEN_RECORDS`), whatever route used it.
     pub async fn find_for_operator(
         &self,
         route: &str,
@@ -21,10 +21,10 @@ impl Store {
         self.sql.find(TOKEN_NAMESPACE, key).await
     }
 
-    /// [`Self::purge`] for operators (a key found under no route is looked
+    /// `Self::purge` for operators (a key found under no route is looked
     /// for among the tokens, as [`Self::find_for_operator`] does), answered
     /// once the purge has settled:
-    /// [`crate::purges::SETTLE`] after it was logged, every process's
+    /// `crate::purges::SETTLE` after it was logged, every process's
     /// in-memory layer has applied it (or stopped replaying from memory),
     /// and the fast layer is then cleared of the key once more — a claim
     /// that read the completed record from SQL just before the purge may
@@ -95,7 +95,9 @@ impl Store {
 
     /// Removes records from SQL and the fast layer, except those held under
     /// a live lease (see [`crate::sql::Purged`]).
-    pub async fn purge(
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn purge(
         &self,
         route: &str,
         key: &str,

@@ -8,7 +8,7 @@
 //! they count against one budget, `server.max_captured_bytes`
 //! (docs/semantics.md, rule 10):
 //!
-//! - Each claim reserves [`ANSWER_RESERVE_BYTES`] (or its route's cap, if
+//! - Each claim reserves `ANSWER_RESERVE_BYTES` (or its route's cap, if
 //!   lower) *before* it is made. When the reserves and the answers held
 //!   fill the budget, the next claim is refused (`503`), nothing recorded
 //!   or forwarded.
@@ -16,7 +16,7 @@
 //!   rest of its length from the budget as it arrives — all of it at once
 //!   when its length is known, so two answers cannot each hold half of
 //!   what both need — and waits for room that records being written give
-//!   back, at most [`CAPTURE_WAIT`].
+//!   back, at most `CAPTURE_WAIT`.
 //! - Still without room it is kept all the same: the claim was accepted
 //!   and its answer is in hand, and a stored answer is replayed with its
 //!   body unless it is over the cap. The budget is then passed only by

@@ -6,7 +6,7 @@
 //! 2. The claim is durable in SQL before the request is forwarded (the
 //!    store's `claim`); if the store cannot answer, the request is refused
 //!    503 and never forwarded — fail closed.
-//! 3. A won claim belongs to a [`Holder`] (see [`super::holder`]), in a task
+//! 3. A won claim belongs to a `Holder` (see `super::holder`), in a task
 //!    the client cannot cancel: it forwards, renews the lease, receives the
 //!    whole response within the upstream's timeout and records the outcome
 //!    until it is durable, whether the client is still there or not.
@@ -26,7 +26,7 @@
 //!    duplicate, on every instance, gets `502 outcome-uncertain` with a
 //!    `Retry-After` until then. After it, the one retry that takes the claim
 //!    over asks the upstream first where the route can
-//!    ([`super::reconcile`]).
+//!    (`super::reconcile`).
 
 use std::convert::Infallible;
 use std::sync::Arc;

@@ -9,10 +9,10 @@
 //! tower-http: Layer, Service, response future.
 //!
 //! Where each decision is made:
-//! - 400 (bad or missing key), 413 (body too large): [`layer`], before any
+//! - 400 (bad or missing key), 413 (body too large): `layer`, before any
 //!   store access; nothing is forwarded or stored.
 //! - 409 / wait, 422, replay, 503: [`engine`], from the store's claim answer.
-//! - release, uncertain, completion: [`holder`], from the forward's outcome,
+//! - release, uncertain, completion: `holder`, from the forward's outcome,
 //!   in a task of its own that the client cannot cancel.
 
 pub mod answer;

@@ -128,6 +128,7 @@ impl DollarSql {
     /// Stores the outcome; the retention left (by the database's clock) and
     /// whether a duplicate waits for it, or `None` when `epoch` no longer
     /// holds the claim.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) async fn complete(
         &self,
         key: &RecordKey,
@@ -310,6 +311,7 @@ impl DollarSql {
     }
 
     /// Rows in the record table (operators, tests).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) async fn records(&self) -> Result<i64, StoreError> {
         self.bounded("records", async {
             with_pool!(self, pool => {

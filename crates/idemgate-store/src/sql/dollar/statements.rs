@@ -67,6 +67,7 @@ pub(super) struct Statements {
     /// `$1..$3` key, `$4 epoch, $5 status, $6 headers, $7 body, $8
     /// body_kept, $9 request id` → the retention left, in ms, and whether a
     /// duplicate is waiting.
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
     pub complete: String,
     /// Postgres only: many completions over arrays `$1..$9`.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]

@@ -7,7 +7,7 @@ use sqlx::Row;
 #[cfg(feature = "sqlite")]
 use sqlx::Connection;
 
-#[cfg(feature = "sqlite")]
+#[cfg(all(feature = "sqlite", any(test, feature = "testing")))]
 use super::COUNT_ARCHIVE;
 use super::{DollarSql, Pool};
 use crate::StoreError;
@@ -29,7 +29,7 @@ impl DollarSql {
     }
 
     /// Nothing to make without Postgres's partitions.
-    #[cfg(not(feature = "postgres"))]
+    #[cfg(all(not(feature = "postgres"), any(test, feature = "testing")))]
     pub(crate) async fn extend_partitions(&self) -> Result<u32, StoreError> {
         Ok(0)
     }
@@ -138,6 +138,7 @@ impl DollarSql {
 
     /// Rows archived (operators, tests): on Postgres, in the archive
     /// table and in the partitions retired with `store.archive`.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) async fn archived(&self) -> Result<i64, StoreError> {
         self.bounded("archived", async {
             match &self.pool {

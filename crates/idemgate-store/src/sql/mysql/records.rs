@@ -143,6 +143,7 @@ impl MysqlSql {
 
     /// Stores the outcome; the retention left and whether a duplicate
     /// waits, or `None` when `epoch` no longer holds the claim.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) async fn complete(
         &self,
         key: &RecordKey,
@@ -320,6 +321,7 @@ impl MysqlSql {
     }
 
     /// Rows in the record table.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) async fn records(&self) -> Result<i64, StoreError> {
         run!(self, "records", |conn| {
             sqlx::query(s::COUNT_RECORDS)

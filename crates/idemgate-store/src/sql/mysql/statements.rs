@@ -177,6 +177,7 @@ statement! {
 statement! {
     /// Stores an outcome: `status, headers, body, body_kept, request id`,
     /// the key, `epoch`.
+    #[cfg(any(test, feature = "testing"))]
     COMPLETE = "UPDATE idempotency_records SET state = 'completed', status = ?, headers = ?, \
          body = ?, body_kept = ?, request_id = ?, lease_until = 0, updated_at = {now} \
          WHERE {key} AND epoch = ? AND state = 'in_flight'"
@@ -391,9 +392,11 @@ pub(super) const STRIP: &str = "UPDATE idempotency_records SET headers = NULL, b
        AND NOT (state IN ('in_flight', 'uncertain') AND lease_until > ?)";
 
 /// Rows in the record table.
+#[cfg(any(test, feature = "testing"))]
 pub(super) const COUNT_RECORDS: &str = "SELECT COUNT(*) FROM idempotency_records";
 
 /// Rows in the archive.
+#[cfg(any(test, feature = "testing"))]
 pub(super) const COUNT_ARCHIVE: &str = "SELECT COUNT(*) FROM idempotency_archive";
 
 /// The scope registry.

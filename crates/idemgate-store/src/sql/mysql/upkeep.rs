@@ -344,6 +344,7 @@ impl MysqlSql {
     }
 
     /// No partitions to make.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) async fn extend_partitions(&self) -> Result<u32, StoreError> {
         Ok(0)
     }
@@ -452,6 +453,7 @@ impl MysqlSql {
     }
 
     /// Rows archived.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) async fn archived(&self) -> Result<i64, StoreError> {
         self.fetch_count("archived", s::COUNT_ARCHIVE).await
     }
