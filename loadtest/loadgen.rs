@@ -3,7 +3,7 @@
 //! the duplicate storm (N clients, one key, at once). Prints one JSON line.
 //!
 //! ```text
-//! loadgen unique URL CONCURRENCY SECONDS      # POST, a fresh key each time
+//! loadgen unique URL CONCURRENCY SECONDS      # POST, a fresh key each time (header: $LOADGEN_KEY_HEADER, default Idempotency-Key)
 //! loadgen token  BASE PATH CONCURRENCY SECONDS  # POST BASE/token, then POST BASE+PATH with it
 //! loadgen storm  URL CLIENTS                  # CLIENTS concurrent POSTs, one key
 //! loadgen soak   URL RATE SECONDS DUP_PERCENT  # fixed rate; DUP_PERCENT% reuse a sent key
@@ -127,6 +127,13 @@ async fn main() {
     match arg(0).as_str() {
         "unique" => {
             let (url, concurrency, seconds) = (arg(1), num(2, 50), num(3, 10));
+            // A callback route keys by a header of the provider's (say
+            // `X-Msg-Id`); a key route by `Idempotency-Key`.
+            let header: &'static str = std::env::var("LOADGEN_KEY_HEADER")
+                .ok()
+                .filter(|h| !h.is_empty())
+                .map(|h| &*h.to_ascii_lowercase().leak())
+                .unwrap_or("idempotency-key");
             let deadline = Instant::now() + Duration::from_secs(seconds);
             let started = Instant::now();
             let workers = (0..concurrency).map(|w| {
@@ -138,13 +145,7 @@ async fn main() {
                         let key = format!("{run}-{w}-{i}");
                         i += 1;
                         let t = Instant::now();
-                        let answer = post(
-                            &client,
-                            &url,
-                            &[("idempotency-key", &key)],
-                            "{\"amount\":1}",
-                        )
-                        .await;
+                        let answer = post(&client, &url, &[(header, &key)], "{\"amount\":1}").await;
                         results.record(t, answer.map(|(s, _)| s));
                     }
                 })

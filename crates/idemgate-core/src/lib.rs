@@ -20,6 +20,8 @@
 //! - [`budget`]: claims in flight, counted per process and per connection.
 //! - [`limits`]: descriptors, and the budgets sized from them.
 //! - [`metrics`]: the Prometheus registry behind `/metrics`.
+//! - [`step`]: [`await_boxed!`], a large step of an `async fn` awaited in a
+//!   box of its own.
 //! - [`trace`]: the span target and the W3C Trace Context hooks the binary
 //!   installs when it exports traces.
 //!
@@ -39,4 +41,5 @@ pub mod identity;
 pub mod limits;
 pub mod metrics;
 pub mod request_id;
+pub mod step;
 pub mod trace;

@@ -30,6 +30,7 @@ use super::fast::FastLayer;
 use super::settle::{Channel, Settlements};
 use super::sql::{Completion, NewClaim, SqlStore};
 use super::{Claim, Record, RecordKey, StoreError, StoredResponse};
+use idemgate_core::await_boxed;
 use idemgate_core::metrics::Metrics;
 
 mod fast_claim;
@@ -227,7 +228,9 @@ impl Store {
         // Before SQL is read: a completed answer read there is written
         // back only as a purge applied meanwhile allows.
         let read = self.before_reading(started);
-        let marked = match self.claim_in_fast_layer(key, fingerprint).await {
+        // Each half boxed (`await_boxed!`): side by side, their states made
+        // this future 27 KB, copied whole wherever a claim is moved.
+        let marked = match await_boxed!(self.claim_in_fast_layer(key, fingerprint)) {
             FastClaim::Answered(claim) => return Ok(claim),
             FastClaim::Marked => true,
             FastClaim::ToSql => false,
@@ -235,19 +238,20 @@ impl Store {
         // The whole SQL half (insert, takeover, read) within one
         // `store.timeout`, not one per statement.
         let bound = self.sql.timeout();
-        let answer = tokio::time::timeout(bound, self.claim_in_sql(key, fingerprint, request_id))
-            .await
-            .unwrap_or(Err(StoreError::Timeout {
-                op: "claim",
-                after: bound,
-            }));
+        let in_sql = { Box::pin(self.claim_in_sql(key, fingerprint, request_id)) };
+        let answer =
+            tokio::time::timeout(bound, in_sql)
+                .await
+                .unwrap_or(Err(StoreError::Timeout {
+                    op: "claim",
+                    after: bound,
+                }));
         self.metrics.store_latency.observe(started.elapsed());
         let (claim, left) = match answer {
             Ok((claim, left)) => (Ok(claim), left),
             Err(e) => (Err(e), Duration::ZERO),
         };
-        self.agree_with_sql(key, fingerprint, &claim, left, marked, read)
-            .await;
+        await_boxed!(self.agree_with_sql(key, fingerprint, &claim, left, marked, read));
         claim
     }
 

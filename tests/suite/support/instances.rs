@@ -83,10 +83,37 @@ impl Drop for Instance {
     }
 }
 
-/// A port free right now on 127.0.0.1.
+/// A port free right now on 127.0.0.1, for a server another process will
+/// bind: below the kernel's ephemeral range, in turn. A port the kernel
+/// hands out (`bind` to port 0) goes back to that range when the check's
+/// listener closes, and the next outgoing connection of any test may take
+/// it before the server binds it (seen: a Galera node's group port, taken
+/// by a client socket during the suite). Ports below the range are never
+/// given to outgoing connections; each is offered once per process, and
+/// the walk starts at an offset of the process id, so two test processes
+/// do not walk the same ports.
 pub fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const SPAN: u32 = 10_000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    if ephemeral_low < SPAN + 1_024 {
+        // No room below the range: the kernel's choice, as before.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        return listener.local_addr().unwrap().port();
+    }
+    let low = ephemeral_low - SPAN;
+    let start = std::process::id().wrapping_mul(7_919) % SPAN;
+    loop {
+        let turn = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (low + (start + turn) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Starts `n` gateways, each with the config `body` (TOML without

@@ -40,6 +40,7 @@ use tower::Service;
 
 use tokio::sync::oneshot;
 
+use idemgate_core::await_boxed;
 use idemgate_core::budget::{self};
 use idemgate_core::error::{Problem, Reason};
 use idemgate_core::identity::Identity;
@@ -144,13 +145,26 @@ impl EngineSettings {
     }
 }
 
-/// The shared engine of one route.
+/// The shared engine of one route. Cloned for every request and every
+/// claim, so it is one `Arc`: one reference count to move, where its
+/// fields (the store alone holds a dozen handles) would be many.
 #[derive(Clone)]
-pub struct Engine {
+pub struct Engine(Arc<EngineParts>);
+
+/// What an [`Engine`] shares among its clones.
+pub struct EngineParts {
     store: idemgate_store::Store,
-    settings: Arc<EngineSettings>,
+    settings: EngineSettings,
     metrics: Arc<Metrics>,
     holders: Arc<Holders>,
+}
+
+impl std::ops::Deref for Engine {
+    type Target = EngineParts;
+
+    fn deref(&self) -> &EngineParts {
+        &self.0
+    }
 }
 
 /// A duplicate waiting for this process's holder also claims again this
@@ -179,12 +193,12 @@ impl Engine {
         metrics: Arc<Metrics>,
         holders: Arc<Holders>,
     ) -> Self {
-        Engine {
+        Engine(Arc::new(EngineParts {
             store,
-            settings: Arc::new(settings),
+            settings,
             metrics,
             holders,
-        }
+        }))
     }
 
     /// Handles one request on a protected route.
@@ -222,7 +236,7 @@ impl Engine {
         };
         let head = match policy.key_in_head(&parts, &scope) {
             Ok(Head::Bypass) => {
-                return forward_plain(inner, Request::from_parts(parts, body)).await;
+                return await_boxed!(forward_plain(inner, Request::from_parts(parts, body)));
             }
             Ok(Head::Key(key)) => Keyed::Key(key),
             Ok(Head::ReplayOnly { key, refusal }) => Keyed::ReplayOnly(key, refusal),
@@ -269,9 +283,7 @@ impl Engine {
             return replay(stored, expires_at_ms);
         }
         if let Some(refusal) = replay_only {
-            return self
-                .replay_or_refuse::<P>(&key, &fingerprint, refusal)
-                .await;
+            return await_boxed!(self.replay_or_refuse::<P>(&key, &fingerprint, refusal));
         }
         let request_id = parts
             .headers
@@ -285,8 +297,10 @@ impl Engine {
             legacy_fingerprint,
             request_id,
         };
-        self.claim_and_hold(policy, inner, parts, bytes, ticket)
-            .await
+        // Boxed, as the two paths above: the claim's state machine is
+        // most of this future's size, and a replay (answered above) would
+        // otherwise pay for moving all of it into the request's box.
+        await_boxed!(self.claim_and_hold(policy, inner, parts, bytes, ticket))
     }
 
     /// Reads the whole request body and its fingerprint, or the refusal

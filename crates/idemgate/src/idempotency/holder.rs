@@ -33,6 +33,7 @@ use super::body::chain;
 use super::expires::set_expires;
 use super::outcome::GrpcMeaning;
 use super::verdict::Verdict;
+use idemgate_core::await_boxed;
 use idemgate_core::error::{Problem, Reason};
 use idemgate_core::grpc;
 use idemgate_core::trace;
@@ -351,8 +352,11 @@ impl<L: Ledger> Holder<L> {
         self.holders
             .set_stage(&self.claim.key, self.claim.epoch, Stage::Forwarded);
         let give_up = tokio::time::Instant::now() + self.deadline;
-        let received =
-            tokio::time::timeout_at(give_up, self.receive(inner, request, give_up)).await;
+        // The steps of a holder are boxed (`await_boxed!`): the forward
+        // and the writes each keep a large state, and side by side they
+        // would be copied whole into every claim's task.
+        let receiving = { Box::pin(self.receive(inner, request, give_up)) };
+        let received = tokio::time::timeout_at(give_up, receiving).await;
         let (write, response) = received.unwrap_or_else(|_| {
             // What the answer took of the budget is not kept.
             self.share.shrink();
@@ -396,7 +400,7 @@ impl<L: Ledger> Holder<L> {
         }
         // The first write before the answer, so that a client who retries
         // right after its answer finds the outcome recorded.
-        let first = self.write_once(&write).await;
+        let first = await_boxed!(self.write_once(&write));
         let mut response = response;
         set_expires(response.headers_mut(), self.claim.expires_at_ms);
         let verdict = match (&write, &first) {
@@ -408,7 +412,7 @@ impl<L: Ledger> Holder<L> {
         response.extensions_mut().insert(verdict);
         reply(response);
         if first.is_err() {
-            self.write_until_durable(&write, &lost).await;
+            await_boxed!(self.write_until_durable(&write, &lost));
         }
         self.holders
             .set_stage(&self.claim.key, self.claim.epoch, Stage::Recorded);
@@ -733,7 +737,7 @@ async fn renew<L: Ledger>(
     let mut next = claimed_at + every;
     loop {
         tokio::time::sleep_until(next).await;
-        let pause = match ledger.renew(&key, epoch).await {
+        let pause = match await_boxed!(ledger.renew(&key, epoch)) {
             Ok(true) => every,
             Ok(false) => {
                 lost.store(true, std::sync::atomic::Ordering::Relaxed);
