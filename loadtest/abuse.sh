@@ -34,7 +34,8 @@ WORK=$(mktemp -d /tmp/idemgate-abuse.XXXX)
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --profile dist --features jemalloc -q --bins --example abuse_bench
+  cargo build --profile dist --features jemalloc -q --bins
+  cargo build --profile dist --features jemalloc -q --example abuse_bench
   BIN=target/dist
 fi
 CLIENT=${ABUSE_BENCH:-target/dist/examples/abuse_bench}

@@ -22,7 +22,8 @@ command -v oha >/dev/null || cargo install oha --locked
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light || apt-get install -y -qq nginx; } >/dev/null
 scripts/services.sh >/dev/null
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then BIN=$IDEMGATE_BIN_DIR; else
-  cargo build --profile dist --features jemalloc -q --bins --example loadgen
+  cargo build --profile dist --features jemalloc -q --bins
+  cargo build --profile dist --features jemalloc -q --example loadgen
   BIN=target/dist
 fi
 LOADGEN=${LOADGEN:-target/dist/examples/loadgen}
@@ -30,11 +31,20 @@ LOADGEN=${LOADGEN:-target/dist/examples/loadgen}
 PEER=${IDEMGATE_PEER:-$(command -v idempotent-proxy-server || true)}
 [ -n "$PEER" ] || echo "peer: idempotent-proxy-server not installed; its rows are skipped (cargo install idempotent-proxy-server --locked)"
 PG_URL=${IDEMGATE_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
-REV=$(git rev-parse --short HEAD)
+REV=$(git describe --always --dirty)
 WORK=$(mktemp -d /tmp/idemgate-cost.XXXX)
 RUN_ID=$(date +%s%N)
 SCHEMA=cost_$RUN_ID
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# Below the ephemeral range, so that no outgoing connection takes the
+# port between this check and the server's bind.
+free_port() { python3 -c '
+import random, socket
+while True:
+    p = random.randrange(20000, 30000)
+    try:
+        s = socket.socket(); s.bind(("127.0.0.1", p)); print(p); break
+    except OSError:
+        pass'; }
 wait_up() { for _ in $(seq 100); do curl -sk -o /dev/null "$1" && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
 pids=()
 cleanup() {
@@ -42,6 +52,7 @@ cleanup() {
   for d in up px; do [ -f "$WORK/$d/nginx.pid" ] && kill "$(cat "$WORK/$d/nginx.pid")" 2>/dev/null || true; done
   wait 2>/dev/null || true
   psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
+  redis-cli --scan --pattern "cost-$RUN_ID:*" 2>/dev/null | xargs -r -n 1000 redis-cli del >/dev/null 2>&1 || true
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -148,12 +159,21 @@ fi
 
 # --- CPU by party ----------------------------------------------------------
 HZ=$(getconf CLK_TCK)
-ticks() { # pids… → utime + stime, clock ticks
-  local t=0 p
+ticks() { # pids… → utime + stime, clock ticks (a process gone meanwhile counts 0)
+  local t=0 p v
   for p in "$@"; do
-    [ -r "/proc/$p/stat" ] && t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") ))
+    v=$(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || true)
+    t=$(( t + ${v:-0} ))
   done
   echo "$t"
+}
+# Postgres: every process now, and what its backends that exited
+# meanwhile spent (the postmaster's reaped children).
+PG_MAIN=$(head -1 "$(psql -qAt "$PG_URL" -c 'SHOW data_directory')/postmaster.pid" 2>/dev/null || true)
+postgres_ticks() {
+  local reaped=0
+  [ -n "$PG_MAIN" ] && reaped=$(awk '{print $16 + $17}' "/proc/$PG_MAIN/stat" 2>/dev/null || echo 0)
+  echo $(( $(ticks $(pgrep -x postgres)) + reaped ))
 }
 tree() { echo "$1" $(pgrep -P "$1"); } # a master and its workers
 # The load generator's CPU: this shell's reaped children (bash's `times`,
@@ -165,7 +185,7 @@ children() { # → µs, in the variable named $1
 snapshot() { # the server measured → "gateway ref up redis pg machine"
   local server=$1
   echo "$(ticks $server) $(ticks $(tree "$(cat "$WORK/up/nginx.pid")")) $(ticks $(pgrep -x redis-server)) \
-$(ticks $(pgrep -x postgres)) $(awk '/^cpu / {print $2 + $3 + $4 + $7 + $8}' /proc/stat)"
+$(postgres_ticks) $(awk '/^cpu / {print $2 + $3 + $4 + $7 + $8}' /proc/stat)"
 }
 # One measurement: scenario target server-pids tool args… Appends a row:
 # scenario target req/s answered p99 server up redis pg loadgen machine (µs/request).

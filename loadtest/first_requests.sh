@@ -28,7 +28,8 @@ cleanup() {
 }
 trap cleanup EXIT
 scripts/services.sh >/dev/null
-cargo build --profile dist --features jemalloc -q --bins --example loadgen
+cargo build --profile dist --features jemalloc -q --bins
+cargo build --profile dist --features jemalloc -q --example loadgen
 BIN=target/dist
 
 # A private Postgres (the shared one must not be restarted to preload the

@@ -37,7 +37,8 @@ scripts/services.sh >/dev/null
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --profile dist --features jemalloc -q --bins --example loadgen --example store_bench
+  cargo build --profile dist --features jemalloc -q --bins
+  cargo build --profile dist --features jemalloc -q --example loadgen --example store_bench
   BIN=target/dist
 fi
 

@@ -34,7 +34,8 @@ command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq ng
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
 # IDEMGATE_BIN_DIR: profile another build (e.g. the previous commit's).
 BIN=${IDEMGATE_BIN_DIR:-target/dist}
-[ -n "${IDEMGATE_BIN_DIR:-}" ] || cargo build --profile dist --features jemalloc -q --bins --example loadgen
+[ -n "${IDEMGATE_BIN_DIR:-}" ] || cargo build --profile dist --features jemalloc -q --bins
+[ -n "${IDEMGATE_BIN_DIR:-}" ] || cargo build --profile dist --features jemalloc -q --example loadgen
 LOADGEN=${LOADGEN:-target/dist/examples/loadgen}
 [ -x "$LOADGEN" ] || cargo build --profile dist -q --example loadgen
 SCHEMA=profile_$(date +%s%N)
@@ -43,7 +44,10 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   [ -f "$WORK/up/nginx.pid" ] && kill "$(cat "$WORK/up/nginx.pid")" 2>/dev/null || true
-  [ "$SCENARIO" = pass ] || psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
+  if [ "$SCENARIO" != pass ]; then
+    psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" 2>/dev/null || true
+    redis-cli --scan --pattern "$SCHEMA:*" 2>/dev/null | xargs -r -n 1000 redis-cli del >/dev/null 2>&1 || true
+  fi
 }
 trap cleanup EXIT
 
@@ -125,10 +129,10 @@ measure() { # name port path command…
   local vp=$!; pids+=($vp)
   for _ in $(seq 1 100); do curl -s "${CURL_PROTO[@]}" -o /dev/null "http://127.0.0.1:$port/" && break; sleep 0.3; done
   load "http://127.0.0.1:$port" 2000 "$path" >/dev/null   # warm-up (and the replay's key)
-  callgrind_control -z >/dev/null 2>&1
+  callgrind_control -z "$vp" >/dev/null 2>&1
   load "http://127.0.0.1:$port" "$N" "$path" > "$WORK/$name.count"
-  callgrind_control -d >/dev/null 2>&1   # → $name.out.1
-  sleep 1; kill "$vp" 2>/dev/null; pkill -f "callgrind-out-file=$WORK/$name.out" 2>/dev/null || true
+  callgrind_control -d "$vp" >/dev/null 2>&1   # → $name.out.1
+  sleep 1; kill "$vp" 2>/dev/null || true
   wait "$vp" 2>/dev/null || true
 }
 per_request() { # name → instructions per request

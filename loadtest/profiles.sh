@@ -18,7 +18,8 @@ WORK=$(mktemp -d /tmp/idemgate-profiles.XXXX)
 command -v oha >/dev/null || cargo install oha --locked
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light || apt-get install -y -qq nginx; }
 cargo build --release -q --bins
-cargo build --profile dist --features jemalloc -q --bins --example loadgen
+cargo build --profile dist --features jemalloc -q --bins
+cargo build --profile dist --features jemalloc -q --example loadgen
 REV=$(git rev-parse --short HEAD)
 
 pids=()

@@ -36,7 +36,8 @@ scripts/services.sh >/dev/null
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --profile dist --features jemalloc -q --bins --example loadgen
+  cargo build --profile dist --features jemalloc -q --bins
+  cargo build --profile dist --features jemalloc -q --example loadgen
   BIN=target/dist
 fi
 

@@ -14,7 +14,8 @@ PG_URL=${IDEMGATE_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 WORK=$(mktemp -d /tmp/idemgate-soak.XXXX)
 REDIS_PORT=18379
 scripts/services.sh >/dev/null
-cargo build --profile dist --features jemalloc -q --bins --example loadgen
+cargo build --profile dist --features jemalloc -q --bins
+cargo build --profile dist --features jemalloc -q --example loadgen
 BIN=target/dist
 SCHEMA=soak_$(date +%s)
 psql -q "$PG_URL" -c "CREATE SCHEMA $SCHEMA"

@@ -17,7 +17,8 @@ REV=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!loadtest/result
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --profile dist --features jemalloc -q --bins --example loadgen
+  cargo build --profile dist --features jemalloc -q --bins
+  cargo build --profile dist --features jemalloc -q --example loadgen
   BIN=target/dist
 fi
 LOADGEN=${LOADGEN:-target/dist/examples/loadgen}

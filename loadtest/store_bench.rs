@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idemgate_core::metrics::Metrics;
-use idemgate_store::testing::StoreSettings;
+use idemgate_store::StoreSettings;
 use idemgate_store::{Claim, RecordKey, Store, StoredResponse};
 use idemgate_store::{SqlSettings, SqlStore};
 

@@ -24,7 +24,8 @@ scripts/services.sh >/dev/null
 if [ -n "${IDEMGATE_BIN_DIR:-}" ]; then
   BIN=$IDEMGATE_BIN_DIR
 else
-  cargo build --profile dist --features jemalloc -q --bins --example waiters_bench
+  cargo build --profile dist --features jemalloc -q --bins
+  cargo build --profile dist --features jemalloc -q --example waiters_bench
   BIN=target/dist
 fi
 EXAMPLE=${WAITERS_BENCH:-target/dist/examples/waiters_bench}

@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idemgate_core::metrics::Metrics;
 use idemgate_demo_upstream as demo_upstream;
-use idemgate_store::testing::StoreSettings;
+use idemgate_store::StoreSettings;
 use idemgate_store::{Claim, RecordKey, Store, StoredResponse};
 use idemgate_store::{SqlSettings, SqlStore};
 use support::{Http, instances, services};

@@ -11,8 +11,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use idemgate_core::metrics::{FallbackLayer, Metrics};
 use idemgate_store::MemoryLayer;
+use idemgate_store::StoreSettings;
+use idemgate_store::testing::FastLayer;
 use idemgate_store::testing::RedisLayer;
-use idemgate_store::testing::{FastLayer, StoreSettings};
 use idemgate_store::{Claim, RecordKey, RecordState, Store, StoredResponse, sweep_once};
 use idemgate_store::{DeadLetterClaim, SqlSettings, SqlStore};
 use support::services;
@@ -634,7 +635,7 @@ async fn purge_removes_every_scope(backend: Backend, test: &str) {
         );
     }
     assert_eq!(o.store.find("route", "purge-me").await.unwrap().len(), 2);
-    let purged = |removed, held| idemgate_store::testing::Purged { removed, held };
+    let purged = |removed, held| idemgate_store::Purged { removed, held };
     assert_eq!(
         o.store
             .purge("route", "purge-me", Some("s1"))

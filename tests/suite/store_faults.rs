@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemgate_core::metrics::Metrics;
+use idemgate_store::StoreSettings;
+use idemgate_store::testing::FastLayer;
 use idemgate_store::testing::RedisLayer;
 use idemgate_store::testing::storage_key;
-use idemgate_store::testing::{FastLayer, StoreSettings};
 use idemgate_store::{Claim, RecordKey, Store, StoreError};
 use idemgate_store::{SqlSettings, SqlStore};
 use support::services::{self, FaultProxy, Mode, PrivateRedis};

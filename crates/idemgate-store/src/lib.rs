@@ -24,7 +24,7 @@
 //! # The face
 //!
 //! Everything another crate uses is exported here, at the root, except the
-//! waiters' [`settle`] channel; every module is private and `pub(crate)` is
+//! waiters' [`settle`] channel; every other module is private and `pub(crate)` is
 //! the default inside them (the `unreachable_pub` lint keeps it so). What
 //! only the test suite and the load generators reach — one layer on its
 //! own, a single claim without the batch writers, record counts — is behind
@@ -101,10 +101,11 @@ pub use record::{
     Claim, Record, RecordKey, RecordState, StoredResponse, after_ms, key_ref, now_ms,
 };
 pub use sql::{
-    DeadLetterClaim, DeliveryLog, Dialect, Durability, Orphaned, Scoping, SqlSettings, SqlStore,
+    DeadLetterClaim, DeliveryLog, Dialect, Durability, Orphaned, Purged, Scoping, SqlSettings,
+    SqlStore,
 };
 pub use sweep::{spawn as spawn_sweeper, sweep_once};
-pub use tiered::Store;
+pub use tiered::{Store, StoreSettings};
 
 #[cfg(feature = "testing")]
 pub mod testing;

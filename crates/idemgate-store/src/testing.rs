@@ -12,5 +12,4 @@ pub use crate::near::NearLayer;
 pub use crate::purges::SETTLE as PURGE_SETTLE;
 #[cfg(feature = "redis")]
 pub use crate::redis::RedisLayer;
-pub use crate::sql::{MAX_LIVE_PARTITIONS, Purged, partition_span};
-pub use crate::tiered::StoreSettings;
+pub use crate::sql::{MAX_LIVE_PARTITIONS, partition_span};
