@@ -391,13 +391,22 @@ async fn unary(
 /// `Place` with `metadata`, sent again while the gateway answers
 /// `UNAVAILABLE` (the first call with its key still running): what a
 /// client's retry policy does.
+/// A unary call of `/orders.Orders/Place`, the method every test orders by.
+async fn place(
+    client: &mut tonic::client::Grpc<tonic::transport::Channel>,
+    message: &[u8],
+    metadata: &[(&'static str, &str)],
+) -> Result<tonic::Response<Vec<u8>>, Status> {
+    unary(client, "/orders.Orders/Place", message, metadata).await
+}
+
 async fn until_answered(
     client: &mut tonic::client::Grpc<tonic::transport::Channel>,
     message: &[u8],
     metadata: &[(&'static str, &str)],
 ) -> Result<tonic::Response<Vec<u8>>, Status> {
     loop {
-        match unary(client, "/orders.Orders/Place", message, metadata).await {
+        match place(client, message, metadata).await {
             Err(s) if s.code() == Code::Unavailable => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -689,9 +698,8 @@ async fn storm(store: Option<(String, String, String)>, wait: bool) {
     for i in 0..200 {
         let mut client = clients[i % clients.len()].clone();
         calls.push(tokio::spawn(async move {
-            unary(
+            place(
                 &mut client,
-                "/orders.Orders/Place",
                 b"order-9",
                 &[("idempotency-key", "storm-1"), ("x-delay-ms", "300")],
             )
@@ -809,9 +817,8 @@ async fn a_cancelled_call_runs_once_and_its_retry_replays_it() {
     let first = {
         let mut client = client.clone();
         tokio::spawn(async move {
-            unary(
+            place(
                 &mut client,
-                "/orders.Orders/Place",
                 b"order-3",
                 &[("idempotency-key", "gone-1"), ("x-delay-ms", "400")],
             )
@@ -847,7 +854,7 @@ async fn the_grpc_status_decides_stored_released_or_uncertain() {
             if let Some(status) = status {
                 metadata.push(("x-status", status));
             }
-            unary(&mut client, "/orders.Orders/Place", b"m", &metadata).await
+            place(&mut client, b"m", &metadata).await
         }
     };
 
@@ -895,9 +902,8 @@ async fn a_lost_answer_is_uncertain_and_its_retry_is_held() {
     let service = GrpcService::start().await;
     let gateway = gateway_for(&service, |_| {}).await;
     let mut client = channel(&gateway).await;
-    let lost = unary(
+    let lost = place(
         &mut client,
-        "/orders.Orders/Place",
         b"m",
         &[("idempotency-key", "lost-1"), ("x-drop", "1")],
     )
@@ -906,14 +912,9 @@ async fn a_lost_answer_is_uncertain_and_its_retry_is_held() {
     assert_eq!(lost.code(), Code::Unknown, "{lost:?}");
     assert!(lost.message().contains("upstream-broken"), "{lost:?}");
     for _ in 0..3 {
-        let held = unary(
-            &mut client,
-            "/orders.Orders/Place",
-            b"m",
-            &[("idempotency-key", "lost-1")],
-        )
-        .await
-        .unwrap_err();
+        let held = place(&mut client, b"m", &[("idempotency-key", "lost-1")])
+            .await
+            .unwrap_err();
         assert_eq!(held.code(), Code::Unavailable, "{held:?}");
         assert!(held.message().contains("outcome-uncertain"), "{held:?}");
     }
@@ -934,9 +935,8 @@ async fn a_lost_answer_is_reconciled_through_the_status_endpoint() {
     })
     .await;
     let mut client = channel(&gateway).await;
-    let lost = unary(
+    let lost = place(
         &mut client,
-        "/orders.Orders/Place",
         b"m",
         &[("idempotency-key", "settle-1"), ("x-drop", "1")],
     )
@@ -944,23 +944,13 @@ async fn a_lost_answer_is_reconciled_through_the_status_endpoint() {
     .unwrap_err();
     assert_eq!(lost.code(), Code::Unknown, "{lost:?}");
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let settled = unary(
-        &mut client,
-        "/orders.Orders/Place",
-        b"m",
-        &[("idempotency-key", "settle-1")],
-    )
-    .await
-    .unwrap();
+    let settled = place(&mut client, b"m", &[("idempotency-key", "settle-1")])
+        .await
+        .unwrap();
     assert_eq!(settled.get_ref(), b"placed:m");
-    let again = unary(
-        &mut client,
-        "/orders.Orders/Place",
-        b"m",
-        &[("idempotency-key", "settle-1")],
-    )
-    .await
-    .unwrap();
+    let again = place(&mut client, b"m", &[("idempotency-key", "settle-1")])
+        .await
+        .unwrap();
     assert_eq!(again.get_ref(), b"placed:m");
     assert_eq!(meta(&again, "idempotent-replayed"), Some("true"));
     assert_eq!(service.executions(), 1);
@@ -976,24 +966,14 @@ async fn an_answer_too_large_to_keep_reaches_its_caller_and_is_not_run_again() {
     let gateway = gateway_for(&service, |c| c.store.max_stored_body_bytes = 64).await;
     let mut client = channel(&gateway).await;
     let big = vec![b'x'; 4096];
-    let first = unary(
-        &mut client,
-        "/orders.Orders/Place",
-        &big,
-        &[("idempotency-key", "big-1")],
-    )
-    .await
-    .unwrap();
+    let first = place(&mut client, &big, &[("idempotency-key", "big-1")])
+        .await
+        .unwrap();
     assert_eq!(first.get_ref().len(), "placed:".len() + big.len());
     assert_eq!(meta(&first, "x-trail"), Some("kept"));
-    let replayed = unary(
-        &mut client,
-        "/orders.Orders/Place",
-        &big,
-        &[("idempotency-key", "big-1")],
-    )
-    .await
-    .unwrap_err();
+    let replayed = place(&mut client, &big, &[("idempotency-key", "big-1")])
+        .await
+        .unwrap_err();
     assert_eq!(replayed.code(), Code::Unknown, "{replayed:?}");
     assert!(replayed.message().contains("ran once"), "{replayed:?}");
     assert_eq!(status_meta(&replayed, "idempotent-replayed"), Some("true"));
@@ -1011,9 +991,7 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
     let gateway = gateway_for(&service, |_| {}).await;
     let mut client = channel(&gateway).await;
 
-    let missing = unary(&mut client, "/orders.Orders/Place", b"m", &[])
-        .await
-        .unwrap_err();
+    let missing = place(&mut client, b"m", &[]).await.unwrap_err();
     assert_eq!(missing.code(), Code::InvalidArgument);
     assert!(
         missing
@@ -1023,22 +1001,12 @@ async fn refusals_are_grpc_statuses_naming_the_problem() {
     );
     assert!(missing.message().ends_with("(route orders)"), "{missing:?}");
 
-    unary(
-        &mut client,
-        "/orders.Orders/Place",
-        b"m",
-        &[("idempotency-key", "r-1")],
-    )
-    .await
-    .unwrap();
-    let reused = unary(
-        &mut client,
-        "/orders.Orders/Place",
-        b"other",
-        &[("idempotency-key", "r-1")],
-    )
-    .await
-    .unwrap_err();
+    place(&mut client, b"m", &[("idempotency-key", "r-1")])
+        .await
+        .unwrap();
+    let reused = place(&mut client, b"other", &[("idempotency-key", "r-1")])
+        .await
+        .unwrap_err();
     assert_eq!(reused.code(), Code::FailedPrecondition);
     assert!(
         reused.message().contains("idempotency-key-reused"),
@@ -1160,14 +1128,9 @@ async fn a_store_away_is_unavailable_and_forwards_nothing() {
     .await;
     let mut client = channel(&gateway).await;
     proxy.set(support::services::Mode::Blackhole);
-    let away = unary(
-        &mut client,
-        "/orders.Orders/Place",
-        b"m",
-        &[("idempotency-key", "a-1")],
-    )
-    .await
-    .unwrap_err();
+    let away = place(&mut client, b"m", &[("idempotency-key", "a-1")])
+        .await
+        .unwrap_err();
     assert_eq!(away.code(), Code::Unavailable);
     assert!(away.message().contains("store-unavailable"), "{away:?}");
     assert_eq!(status_meta(&away, "retry-after"), Some("1"));
