@@ -301,6 +301,32 @@ async fn a_url_naming_every_node_follows_the_cluster_past_a_cut_and_a_kill() {
     let Some(mut cluster) = Galera::start("a_url_naming_every_node_follows").await else {
         return;
     };
+    // A URL whose other nodes do not answer: one node alone does not
+    // choose the cluster (it might be a node started alone beside its
+    // stopped cluster); the store is not opened.
+    let (dead1, dead2) = (
+        support::instances::free_port(),
+        support::instances::free_port(),
+    );
+    let lone = cluster.url(0).replacen(
+        "/test",
+        &format!(",127.0.0.1:{dead1},127.0.0.1:{dead2}/test"),
+        1,
+    );
+    let refused = idemgate_store::SqlStore::connect(&idemgate_store::SqlSettings {
+        url: lone,
+        pool_size: 2,
+        timeout: Duration::from_secs(2),
+        tombstone: Duration::ZERO,
+        schema: None,
+        retention: Duration::from_secs(60),
+        partition_span: Duration::from_secs(60),
+    })
+    .await;
+    let Err(e) = refused else {
+        panic!("one node of three chose the cluster")
+    };
+    assert!(e.to_string().contains("1 of the 3 hosts"), "{e}");
     let stack = Stack::start_with(KEY_ROUTES, |c| {
         c.store.database_url = cluster.url_naming(&[2, 0, 1]);
         c.store.timeout = "2s".into();

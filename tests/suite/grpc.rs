@@ -161,6 +161,11 @@ async fn call(seen: Arc<Seen>, req: http::Request<Incoming>) -> Result<Reply, In
     }
     let method = req.uri().path().rsplit('/').next().unwrap_or("").to_owned();
     let drop_answer = req.headers().contains_key("x-drop");
+    // After the method ran: answer as a proxy that lost its answer does
+    // (this HTTP status, `grpc-status: 14`), or add a second status to the
+    // trailers.
+    let lost_with = req.headers().get("x-http-status").cloned();
+    let second_status = req.headers().get("x-second-status").cloned();
     let mut grpc = tonic::server::Grpc::new(Raw);
     let reply = match method.as_str() {
         "Place" => {
@@ -236,6 +241,15 @@ async fn call(seen: Arc<Seen>, req: http::Request<Incoming>) -> Result<Reply, In
         }
         _ => tonic::Status::unimplemented(method).into_http(),
     };
+    if let Some(status) = lost_with {
+        let mut lost = http::Response::new(tonic::body::Body::empty());
+        *lost.status_mut() = http::StatusCode::from_bytes(status.as_bytes()).unwrap();
+        let fields = lost.headers_mut();
+        fields.insert("content-type", "application/grpc".parse().unwrap());
+        fields.insert("grpc-status", "14".parse().unwrap());
+        fields.insert("grpc-message", "upstream answer lost".parse().unwrap());
+        return Ok(lost);
+    }
     Ok(reply.map(|body| match drop_answer {
         // The method ran; its answer is lost on the way (the stream is
         // reset), as when the service's connection drops after a commit.
@@ -244,7 +258,7 @@ async fn call(seen: Arc<Seen>, req: http::Request<Incoming>) -> Result<Reply, In
                 async { Err::<Frame<Bytes>, Status>(Status::internal("answer lost")) },
             )))
         }
-        false => tonic::body::Body::new(TrailMetadata(body)),
+        false => tonic::body::Body::new(TrailMetadata(body, second_status)),
     }))
 }
 
@@ -307,8 +321,9 @@ fn with_order<T>(mut response: tonic::Response<T>) -> tonic::Response<T> {
 }
 
 /// Adds `x-trail` to the trailers of every answer: trailing metadata
-/// that only a relay of trailers can deliver.
-struct TrailMetadata(tonic::body::Body);
+/// that only a relay of trailers can deliver; and a second `grpc-status`
+/// where one is given.
+struct TrailMetadata(tonic::body::Body, Option<http::HeaderValue>);
 
 impl http_body::Body for TrailMetadata {
     type Data = Bytes;
@@ -324,6 +339,9 @@ impl http_body::Body for TrailMetadata {
                 frame.map(|frame| match frame.into_trailers() {
                     Ok(mut trailers) => {
                         trailers.insert("x-trail", "kept".parse().unwrap());
+                        if let Some(second) = self.1.clone() {
+                            trailers.append("grpc-status", second);
+                        }
                         Frame::trailers(trailers)
                     }
                     Err(frame) => frame,
@@ -891,6 +909,42 @@ async fn the_grpc_status_decides_stored_released_or_uncertain() {
         6,
         "the retry of an uncertain call ran"
     );
+    gateway.shutdown().await;
+}
+
+/// A proxy's HTTP error that carries a gRPC status (`503` with
+/// `UNAVAILABLE`, for a call that ran and whose answer it lost) is judged
+/// by that status, as the caller judges it; so is an answer that names
+/// two statuses (`OK`, then `ABORTED`): it says two things at once. Either
+/// way the retry is held, and the method runs once.
+#[tokio::test]
+async fn a_grpc_status_beside_an_http_error_or_said_twice_holds_the_retry() {
+    let service = GrpcService::start().await;
+    let gateway = gateway_for(&service, |_| {}).await;
+    let mut client = channel(&gateway).await;
+    let cases: [(&str, (&str, &str)); 3] = [
+        ("lost-503", ("x-http-status", "503")),
+        ("lost-500", ("x-http-status", "500")),
+        ("twice-1", ("x-second-status", "10")),
+    ];
+    for (n, (key, steer)) in (1u64..).zip(cases) {
+        // The caller's own answer: whatever its client makes of it.
+        let _ = place(&mut client, b"m", &[("idempotency-key", key), steer]).await;
+        assert_eq!(service.executions(), n, "{key}: the method ran once");
+        let held = place(&mut client, b"m", &[("idempotency-key", key)])
+            .await
+            .unwrap_err();
+        assert_eq!(held.code(), Code::Unavailable, "{key}: {held:?}");
+        assert!(
+            held.message().contains("outcome-uncertain"),
+            "{key}: {held:?}"
+        );
+        assert_eq!(
+            service.executions(),
+            n,
+            "{key}: the retry ran the method again"
+        );
+    }
     gateway.shutdown().await;
 }
 

@@ -132,9 +132,15 @@ pub fn message_count(body: &[u8]) -> Option<usize> {
 }
 
 /// The `grpc-status` in `headers` (trailers, or a trailers-only answer's
-/// headers), if there is a well-formed one.
+/// headers), if there is exactly one and it is well-formed: several
+/// values say two things at once, and clients differ on which they read.
 pub fn status(headers: &HeaderMap) -> Option<u32> {
-    headers.get(GRPC_STATUS)?.to_str().ok()?.parse().ok()
+    let mut values = headers.get_all(GRPC_STATUS).iter();
+    let value = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    value.to_str().ok()?.parse().ok()
 }
 
 /// The status a gRPC client gets for the gateway's own refusal: chosen so

@@ -175,7 +175,12 @@ impl<DB: Follow> Primary<DB> {
     /// asked all at once, each once, within `within`; every one that
     /// answers must name one cluster, or none is written to (a node of a
     /// stale, separately started cluster listed beside the real one would
-    /// split the records). Hosts that do not answer are skipped.
+    /// split the records). Where hosts must name a cluster, more than half
+    /// of them must answer: a node wiped and started alone names a cluster
+    /// of its own, and were it the only one to answer (its cluster's nodes
+    /// down for a restart), its cluster would be the one pinned — while
+    /// other instances write to the real one. Two majorities share a node,
+    /// so every instance pins the same cluster.
     pub(super) async fn first_target(
         &self,
         options: Options<DB>,
@@ -193,6 +198,18 @@ impl<DB: Follow> Primary<DB> {
                 Some((options, answer.as_ref().ok()?.cluster.as_ref()?))
             })
             .collect();
+        if DB::SEVERAL_HOSTS_NEED_A_CLUSTER && named.len() * 2 <= self.candidates.len() {
+            return Err(sqlx::Error::Configuration(
+                format!(
+                    "{} of the {} hosts of the database URL answered with their cluster; \
+                     more than half must, so that the cluster written to is the one most \
+                     of them belong to",
+                    named.len(),
+                    self.candidates.len()
+                )
+                .into(),
+            ));
+        }
         if let Some((first_host, first)) = named.first()
             && let Some((host, other)) = named.iter().find(|(_, c)| c != first)
         {

@@ -531,6 +531,17 @@ impl<L: Ledger> Holder<L> {
             );
             return (Write::Uncertain { hold }, response);
         }
+        // An HTTP error that carries a `grpc-status` (a proxy's `503` with
+        // `UNAVAILABLE` for an answer it lost) means to the caller what
+        // its gRPC status means, and so it does to the record; a status
+        // that would be stored leaves the HTTP rule to decide.
+        if grpc_call
+            && response.status() != http::StatusCode::OK
+            && response.headers().contains_key(grpc::GRPC_STATUS)
+            && let Some(write) = self.grpc_unstored(grpc::status(response.headers()))
+        {
+            return (write, response);
+        }
         // A gRPC answer (HTTP 200 either way, and gRPC itself: a REST
         // route a client mislabelled answers as HTTP) is judged by its
         // `grpc-status`, once it is read whole.
@@ -682,17 +693,22 @@ impl<L> Holder<L> {
 /// The `grpc-status` of a whole gRPC answer: in the headers of a
 /// trailers-only answer (no messages, no trailers), else in the trailers.
 /// An answer that carries it in both places, or in its headers beside
-/// messages, says two things at once: `None`, which makes it uncertain.
+/// messages, or several times in one place, says two things at once:
+/// `None`, which makes it uncertain.
 fn grpc_status(
     head: &http::HeaderMap,
     body: &[u8],
     trailers: Option<&http::HeaderMap>,
 ) -> Option<u32> {
-    let in_head = grpc::status(head);
-    let in_trailers = trailers.and_then(grpc::status);
-    match (in_head, in_trailers) {
-        (Some(code), None) if body.is_empty() && trailers.is_none() => Some(code),
-        (None, Some(code)) => Some(code),
+    // Present: `Some`, holding the code when it is one readable value.
+    let said = |fields: &http::HeaderMap| {
+        fields
+            .contains_key(grpc::GRPC_STATUS)
+            .then(|| grpc::status(fields))
+    };
+    match (said(head), trailers.and_then(said)) {
+        (Some(code), None) if body.is_empty() && trailers.is_none() => code,
+        (None, Some(code)) => code,
         _ => None,
     }
 }
@@ -797,6 +813,14 @@ mod tests {
             "a head status beside messages"
         );
         assert_eq!(grpc_status(&none, b"m", None), None, "no status at all");
+        let mut twice = with("0");
+        twice.append("grpc-status", http::HeaderValue::from_static("10"));
+        assert_eq!(grpc_status(&none, b"m", Some(&twice)), None, "two statuses");
+        assert_eq!(
+            grpc_status(&twice, b"", None),
+            None,
+            "two statuses, trailers-only"
+        );
     }
     use http::StatusCode;
     use std::sync::atomic::{AtomicU32, Ordering};
