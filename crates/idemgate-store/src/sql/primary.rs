@@ -198,13 +198,15 @@ impl<DB: Follow> Primary<DB> {
                 Some((options, answer.as_ref().ok()?.cluster.as_ref()?))
             })
             .collect();
-        if DB::SEVERAL_HOSTS_NEED_A_CLUSTER && named.len() * 2 <= self.candidates.len() {
+        // Hosts that answer without naming a cluster are refused below,
+        // by name; here only silence counts.
+        let answered = answers.iter().filter(|a| a.is_ok()).count();
+        if DB::SEVERAL_HOSTS_NEED_A_CLUSTER && answered * 2 <= self.candidates.len() {
             return Err(sqlx::Error::Configuration(
                 format!(
-                    "{} of the {} hosts of the database URL answered with their cluster; \
-                     more than half must, so that the cluster written to is the one most \
-                     of them belong to",
-                    named.len(),
+                    "{answered} of the {} hosts of the database URL answered; more than \
+                     half must, so that the cluster written to is the one most of them \
+                     belong to",
                     self.candidates.len()
                 )
                 .into(),
